@@ -1,0 +1,108 @@
+"""What a rollout request asks for (SamplingParams), what comes back (RolloutResult), and the sampler.
+
+Both dataclasses are plain and picklable: with token-id lists they are the only types that cross a
+process boundary. The sampler is batched and keeps everything on the device: per-row temperature,
+top-k and top-p are tensors, and randomness is a counter-based hash of (sample seed, step, vocab
+index) fed through the Gumbel-max trick. A sample's tokens therefore depend only on its own seed
+and logits, not on which other samples share its batch, the batch order, or the device, and no
+generator state has to be carried between steps or engines.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; n samples per prompt (a GRPO group); top_k 0 and top_p 1 disable
+    those filters; seed None draws one from the engine's seed; eos from the model config always stops,
+    and so does any of stop_token_ids."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        def bad(name, why):
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise bad("temperature", "must be a finite number >= 0")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise bad("top_p", "must be in (0, 1]")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not (isinstance(self.n, int) and self.n >= 1):
+            raise bad("n", "must be an integer >= 1")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise bad("seed", "must be None or an integer in [0, 2^63)")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+
+
+@dataclass
+class RolloutResult:
+    """One sample. `logprobs[i]` is the FP32 log_softmax(logits / temperature)[token_ids[i]] over the
+    full vocabulary (before top-k/top-p filtering); at temperature 0 the logits are not scaled.
+    finish_reason: "stop" (eos or a stop token, which is kept as the last token), "length"
+    (max_tokens or the context limit), "abort" (cancelled before it finished)."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors; products stay below 2^63, so it is exact on any device."""
+    x = x & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] determined by each row's (seed, step) alone."""
+    row = _hash32(seeds ^ _hash32(steps + 0x9E3779B9)) ^ _hash32(seeds >> 32)
+    cols = _hash32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F)
+    bits = _hash32(row[:, None] ^ cols[None, :]) >> 9  # 23 uniform bits
+    u = (bits.to(torch.float32) + 0.5) / float(1 << 23)  # exact in FP32: 24 significant bits
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 and per-row params [B] -> (tokens [B] int64, logprobs [B] fp32)."""
+    greedy = temperature == 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / scale[:, None]
+    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    V = logits.shape[-1]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+    keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(~keep, float("-inf")))
+    sampled = torch.argmax(filtered + gumbel_noise(seeds, steps, V), dim=-1)
+    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)

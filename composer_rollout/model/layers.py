@@ -1,0 +1,102 @@
+"""Dense building blocks of a Qwen3-MoE layer: RMSNorm, RoPE, GQA attention over a slot KV cache.
+
+They follow Hugging Face's Qwen3-MoE numerics step by step (normalise in FP32 and cast back before
+the weight, RoPE tables computed in FP32 and cast to the activation dtype) so that an FP32 model
+matches transformers to rounding, and a BF16 one differs from it only where we choose to
+(routing weights and the MoE sum stay FP32).
+
+Attention reads and writes a KV cache laid out per sequence slot, [slots, max_len, kv_heads,
+head_dim] per layer. One code path serves prefill (one slot, S new tokens), decode (B slots, one
+token each) and teacher-forced scoring: new keys go to (slot, position), and every query attends to
+all cached positions <= its own. Shapes depend only on (B, S) and the cache size, never on the
+lengths inside the batch, so a decode step can be captured in a CUDA graph per batch bucket.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [B, S, heads, D] rotated by positions [B, S] (half-split layout, as in Hugging Face)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, :, None, :], emb.sin().to(x.dtype)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Keys and values for every layer, preallocated: [layers, slots, max_len, kv_heads, head_dim] each.
+
+    The last slot is scratch: padding rows of a decode batch and teacher-forced scoring write there,
+    so they never touch a live sequence's cache.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        shape = (num_layers, num_slots + 1, max_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len = num_slots, max_len
+        self.scratch_slot = num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def copy_prefix(self, src_slot: int, dst_slots: list[int], length: int) -> None:
+        """Share a prompt's KV with other samples of its group: one prefill, n sequences."""
+        if dst_slots:
+            idx = torch.tensor(dst_slots, device=self.k.device)
+            self.k[:, idx, :length] = self.k[:, src_slot : src_slot + 1, :length]
+            self.v[:, idx, :length] = self.v[:, src_slot : src_slot + 1, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, eps, dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+        def linear(out_features, in_features):
+            return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device).requires_grad_(False)
+
+        self.q_proj = linear(num_heads * head_dim, hidden_size)
+        self.k_proj = linear(num_kv_heads * head_dim, hidden_size)
+        self.v_proj = linear(num_kv_heads * head_dim, hidden_size)
+        self.o_proj = linear(hidden_size, num_heads * head_dim)
+        self.q_norm = RMSNorm(head_dim, eps, dtype, device)
+        self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+
+    def forward(self, x, positions, slots, layer: int, cache: KVCache, inv_freq):
+        """x [B, S, H], positions [B, S], slots [B] -> [B, S, H]; writes this layer's cache rows."""
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        cache.k[layer, slots[:, None], positions] = k
+        cache.v[layer, slots[:, None], positions] = v
+        keys = cache.k[layer, slots].transpose(1, 2)  # [B, kv_heads, max_len, D]
+        values = cache.v[layer, slots].transpose(1, 2)
+        key_pos = torch.arange(cache.max_len, device=x.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, max_len]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

@@ -1,0 +1,68 @@
+"""The MoE block (router + experts) and the one interface every kernel path implements.
+
+A kernel path is a function
+
+    moe(hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k], w13, w2) -> [T, H]
+
+with w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] held as dense tensors or MXFP8Tensor.
+The model only routes and calls the path it was built with, so a Triton path plugs in by adding an
+entry to `KERNEL_PATHS`, without touching the model. The router follows Hugging Face: logits in the
+model dtype, softmax in FP32, top-k, renormalisation when `norm_topk_prob`; the routing weights stay
+FP32 all the way into the expert sum.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import MXFP8Tensor, moe_reference
+
+MoEPath = Callable[..., torch.Tensor]
+
+
+def _torch_path(hidden, topk_weights, topk_ids, w13, w2):
+    return moe_reference(hidden, topk_weights, topk_ids, w13, w2)
+
+
+KERNEL_PATHS: dict[str, MoEPath] = {"torch": _torch_path}
+PLANNED_PATHS = ("warp_decode", "expert_centric", "auto")
+
+
+def resolve_kernel_path(name: str) -> MoEPath:
+    """The MoE function for `kernel=name`; a path that cannot run here is an error, never a fallback."""
+    if name in KERNEL_PATHS:
+        return KERNEL_PATHS[name]
+    if name in PLANNED_PATHS:
+        raise NotImplementedError(f"kernel path {name!r} is not built yet; available: {sorted(KERNEL_PATHS)}")
+    raise ValueError(f"kernel {name!r} is unknown; choose one of {sorted(KERNEL_PATHS)}")
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 softmax over experts, top-k, optional renormalisation -> (weights [T, k] fp32, ids [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob, dtype, device,
+                 moe_fn: MoEPath):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.moe_fn = top_k, norm_topk_prob, moe_fn
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        # Plain attributes, not parameters: either form (dense or MXFP8Tensor) is swapped in whole.
+        # They start as meta tensors (shape only, no memory) until the model's set_experts fills them.
+        self.w13: torch.Tensor | MXFP8Tensor = torch.empty(
+            num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device="meta")
+        self.w2: torch.Tensor | MXFP8Tensor = torch.empty(
+            num_experts, hidden_size, intermediate_size, dtype=dtype, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = route(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob)
+        return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)

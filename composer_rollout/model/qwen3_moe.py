@@ -1,0 +1,118 @@
+"""The Qwen3-MoE policy: embedding, decoder layers (attention + sparse MoE), final norm, lm_head.
+
+The module tree mirrors Hugging Face's names (`embed_tokens`, `layers.N.self_attn.q_proj`,
+`layers.N.mlp.gate`, ...), so a checkpoint or weight-sync name maps onto a tensor by one dict
+lookup: `hf_dense_weights()` is that dict for everything but the experts. Experts are set a layer
+at a time with `set_experts`, which quantizes to MXFP8 when the model was built with
+`weight_dtype="mxfp8"`; loading and random init never hold more than one layer's dense experts
+beyond what the model keeps, so the largest preset can be built on one GPU.
+
+The model owns no sequence state: the KV cache is passed in, so one set of weights can serve
+several caches and the engine decides what a slot is.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer_rollout.model.args import ModelArgs
+from composer_rollout.model.layers import Attention, KVCache, RMSNorm, rope_inv_freq
+from composer_rollout.model.moe import SparseMoE, resolve_kernel_path
+from kernels import MXFP8Tensor, mxfp8_quantize
+
+WEIGHT_DTYPES = ("bf16", "mxfp8")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype, device, moe_fn):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                   args.head_dim, args.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                             args.num_experts_per_tok, args.norm_topk_prob, dtype, device, moe_fn)
+
+    def forward(self, x, positions, slots, layer, cache, inv_freq):
+        x = x + self.self_attn(self.input_layernorm(x), positions, slots, layer, cache, inv_freq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoE(nn.Module):
+    """weight_dtype: "bf16" keeps experts dense in the model dtype (FP32 when dtype is float32, for
+    reference runs); "mxfp8" stores them as MXFP8Tensor. Attention, router and lm_head stay dense."""
+
+    def __init__(self, args: ModelArgs, *, dtype=torch.bfloat16, device="cpu", weight_dtype="bf16", kernel="torch"):
+        super().__init__()
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype {weight_dtype!r} is unknown; choose one of {WEIGHT_DTYPES}")
+        self.args, self.dtype, self.device = args, dtype, torch.device(device)
+        self.weight_dtype, self.kernel = weight_dtype, kernel
+        moe_fn = resolve_kernel_path(kernel)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(args, dtype, device, moe_fn) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(
+            args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, device), persistent=False)
+
+    def hf_dense_weights(self) -> dict[str, torch.Tensor]:
+        """Every non-expert tensor under its Hugging Face name (tied lm_head omitted, as HF saves it)."""
+        return {("" if name.startswith("lm_head") else "model.") + name: p for name, p in self.named_parameters()}
+
+    def set_experts(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Install one layer's experts from dense [E, 2I, H] and [E, H, I], quantizing when MXFP8."""
+        mlp = self.layers[layer].mlp
+        for name, w, ref in (("w13", w13, mlp.w13), ("w2", w2, mlp.w2)):
+            if tuple(w.shape) != tuple(ref.shape):
+                raise ValueError(f"layer {layer} experts {name}: shape {tuple(w.shape)}, expected {tuple(ref.shape)}")
+        if self.weight_dtype == "mxfp8":
+            mlp.w13, mlp.w2 = mxfp8_quantize(w13.to(self.device)), mxfp8_quantize(w2.to(self.device))
+        else:
+            mlp.w13 = w13.to(device=self.device, dtype=self.dtype).contiguous()
+            mlp.w2 = w2.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def experts(self, layer: int) -> tuple[torch.Tensor | MXFP8Tensor, torch.Tensor | MXFP8Tensor]:
+        mlp = self.layers[layer].mlp
+        return mlp.w13, mlp.w2
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "Qwen3MoE":
+        """Seeded normal(0, std) weights and unit norms: benchmarks at real shapes without files."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for name, p in self.hf_dense_weights().items():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32) * std)
+        for i, layer in enumerate(self.layers):
+            w13, w2 = (torch.randn(w.shape, generator=gen, device=self.device, dtype=self.dtype) * std
+                       for w in (layer.mlp.w13, layer.mlp.w2))
+            self.set_experts(i, w13, w2)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [B, S]; slots [B] -> final hidden states [B, S, H] (after the last norm)."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, slots, i, cache, self.inv_freq)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
+        a = self.args
+        return KVCache(a.num_hidden_layers, num_slots, max_len, a.num_key_value_heads, a.head_dim,
+                       self.dtype, self.device)
+
+    def memory_bytes(self) -> int:
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        experts = 0
+        for layer in self.layers:
+            for w in (layer.mlp.w13, layer.mlp.w2):
+                experts += w.nbytes if isinstance(w, MXFP8Tensor) else w.numel() * w.element_size()
+        return dense + experts

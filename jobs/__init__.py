@@ -1,0 +1,1 @@
+"""Entry points: the only code that touches Hydra and OmegaConf (and, later, wandb)."""

@@ -1,0 +1,63 @@
+"""The torch reference for one MoE layer's experts: the `torch` kernel path, and the accuracy yardstick.
+
+Every MoE kernel path computes the same function, with this signature:
+
+    moe(hidden [T, H], topk_weights [T, k], topk_ids [T, k], w13, w2) -> [T, H] in hidden.dtype
+      out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ hidden[t]) * (w13[e, I:] @ hidden[t])),
+      e = topk_ids[t, j]
+
+Shapes: T tokens, H hidden_size, I moe_intermediate_size, E num_experts, k num_experts_per_tok.
+    w13  [E, 2I, H]  gate rows first, then up rows; [out, in] as in Hugging Face
+    w2   [E, H, I]
+each either a dense tensor (BF16 or FP32) or an MXFP8Tensor of that shape.
+
+Here the experts are computed one at a time over the tokens routed to them (the loop of Hugging
+Face's eager path), in `compute_dtype`; per-expert outputs are summed in FP32. With FP32 it is the
+reference every other path is measured against; with BF16 it matches a plain BF16 implementation.
+It reads only the experts that are routed to, so it also runs at the real model's shapes.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.mxfp8 import MXFP8Tensor, as_dense
+
+
+def check_moe_args(hidden, topk_weights, topk_ids, w13, w2) -> None:
+    """Shape checks shared by every path's launcher; the error names the argument."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [T={T}, k], got {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if w13.shape[-1] != H or len(w13.shape) != 3 or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, H={H}], got {tuple(w13.shape)}")
+    E, two_i, _ = w13.shape
+    if tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"w2 must be [E={E}, H={H}, I={two_i // 2}], got {tuple(w2.shape)}")
+
+
+def moe_reference(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: "torch.Tensor | MXFP8Tensor",
+    w2: "torch.Tensor | MXFP8Tensor",
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """SwiGLU experts summed with routing weights; computes in `compute_dtype` (default: hidden's)."""
+    check_moe_args(hidden, topk_weights, topk_ids, w13, w2)
+    dtype = compute_dtype or hidden.dtype
+    x = hidden.to(dtype)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate, up = F.linear(x[token], as_dense(w13[e], dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, as_dense(w2[e], dtype))
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+    return out.to(hidden.dtype)
