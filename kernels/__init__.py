@@ -5,6 +5,7 @@ Imports only torch and triton: the model, engine and jobs build on this package,
 
 from kernels.moe_reference import check_moe_args, moe_reference
 from kernels.mxfp8 import MXFP8_BLOCK, MXFP8Tensor, as_dense, mxfp8_dequantize, mxfp8_quantize
+from kernels.warp_decode_moe import warp_decode_moe
 
 __all__ = [
     "MXFP8_BLOCK",
@@ -14,4 +15,5 @@ __all__ = [
     "moe_reference",
     "mxfp8_dequantize",
     "mxfp8_quantize",
+    "warp_decode_moe",
 ]

@@ -119,3 +119,9 @@ def test_bad_config_is_named(hf_dir, tmp_path, field, value, match):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_checkpoint(tmp_path)
+
+
+def test_eos_tokens_from_config_and_generation_config(hf_dir, tmp_path):
+    ck = rewrite(hf_dir, tmp_path / "ck", edit_config=lambda c: c.update(eos_token_id=5))
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+    assert load_checkpoint(ck).args.eos_token_id == (5, 7)

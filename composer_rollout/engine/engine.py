@@ -10,7 +10,9 @@ batch bucket (padding rows write to the cache's scratch slot), sampling paramete
 device, and the only host synchronisation per step is reading the sampled tokens and logprobs.
 """
 
+import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,21 +44,48 @@ def _sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
 
 
 @dataclass
-class _Sequence:
+class _Request:
+    """A prompt group: n samples that share one prefill and one base seed."""
+
+    request_id: str
     prompt_index: int
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    stop: frozenset[int]
+    arrival: float
+
+
+@dataclass
+class _Sequence:
+    request: _Request
     sample_index: int
     seed: int
-    num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    first_token_time: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started; the rollout job turns them into throughput metrics."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0  # rows computed, padding included; decode_tokens / decode_rows is the useful fraction
 
 
 class RolloutEngine:
+    """Requests in (`add_request`), finished samples out (`step`); `generate` is both in one call."""
+
     def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         limit = model.args.max_position_embeddings
-        self.max_model_len = max_model_len or min(limit, 4096)
+        self.max_model_len = min(limit, 4096) if max_model_len is None else max_model_len
         if not 2 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len {self.max_model_len} must be in [2, max_position_embeddings={limit}]")
         self.model, self.max_num_seqs = model, max_num_seqs
@@ -64,7 +93,12 @@ class RolloutEngine:
         self.cache = model.new_kv_cache(max_num_seqs, self.max_model_len)
         self.buckets = batch_buckets(max_num_seqs)
         self.weight_version = 0
+        self.stats = EngineStats()
         self._rng = random.Random(seed)
+        self._waiting: deque[_Request] = deque()
+        self._live: dict[int, _Sequence] = {}
+        self._free = list(range(max_num_seqs))[::-1]
+        self._next_id = 0
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, kernel: str = "torch", weight_dtype: str = "bf16",
@@ -91,7 +125,7 @@ class RolloutEngine:
         for i, ids in enumerate(seqs):
             if not isinstance(ids, list | tuple) or (not ids and not allow_empty):
                 raise ValueError(f"{what}[{i}] must be a non-empty list of token ids")
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what}[{i}] has token id {bad[0]!r} outside [0, vocab_size={vocab})")
 
@@ -101,72 +135,138 @@ class RolloutEngine:
         hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache)
         return self.model.compute_logits(hidden[0, -1])
 
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, *, prompt_index: int = 0,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt's n samples. Everything is checked here, before any work; `prompt_index` names the
+        prompt in results and, with the seed, fixes each sample's randomness (so a prompt gives the same samples
+        whichever engine or batch runs it)."""
+        self._check_tokens(f"prompt_token_ids (prompt {prompt_index})", [prompt_token_ids])
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt {prompt_index} has {len(prompt_token_ids)} tokens; max_model_len="
+                             f"{self.max_model_len} leaves no room to generate")
+        if sampling.n > self.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={sampling.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        stop = frozenset(self.model.args.eos_token_id) | frozenset(sampling.stop_token_ids)
+        self._waiting.append(_Request(request_id, prompt_index, list(prompt_token_ids), sampling, seed, stop,
+                                      time.perf_counter()))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._live)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def _result(self, seq: _Sequence, reason: str, now: float) -> RolloutResult:
+        req = seq.request
+        return RolloutResult(req.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, reason,
+                             self.weight_version, len(req.prompt), len(seq.token_ids), request_id=req.request_id,
+                             latency_s=now - req.arrival,
+                             ttft_s=(seq.first_token_time or now) - req.arrival)
+
+    def abort(self, request_id: str) -> list[RolloutResult]:
+        """Stop a request: its samples come back now with what they have, finish_reason "abort"."""
+        now, out = time.perf_counter(), []
+        for req in [r for r in self._waiting if r.request_id == request_id]:
+            self._waiting.remove(req)
+            out += [self._result(_Sequence(req, j, 0), "abort", now) for j in range(req.sampling.n)]
+        for slot, seq in list(self._live.items()):
+            if seq.request.request_id == request_id:
+                out.append(self._result(seq, "abort", now))
+                del self._live[slot]
+                self._free.append(slot)
+        return out
+
+    def _append(self, slots: list[int], tokens: list[int], logprobs: list[float]) -> list[RolloutResult]:
+        now, finished = time.perf_counter(), []
+        for slot, tok, lp in zip(slots, tokens, logprobs, strict=True):
+            seq = self._live[slot]
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.first_token_time = seq.first_token_time or now
+            req = seq.request
+            reason = ("stop" if tok in req.stop else
+                      "length" if (len(seq.token_ids) >= req.sampling.max_tokens
+                                   or len(req.prompt) + len(seq.token_ids) >= self.max_model_len) else None)
+            if reason:
+                finished.append(self._result(seq, reason, now))
+                del self._live[slot]
+                self._free.append(slot)
+        return finished
+
+    def _sampling_rows(self, seqs: list[_Sequence], rows: int):
+        """Per-row sampling tensors; padding rows are greedy with seed 0."""
+        pad = rows - len(seqs)
+        dev = self.device
+        temp = torch.tensor([float(s.request.sampling.temperature) for s in seqs] + [0.0] * pad, device=dev)
+        top_k = torch.tensor([s.request.sampling.top_k for s in seqs] + [0] * pad, device=dev, dtype=torch.int64)
+        top_p = torch.tensor([float(s.request.sampling.top_p) for s in seqs] + [1.0] * pad, device=dev)
+        seeds = torch.tensor([s.seed for s in seqs] + [0] * pad, device=dev, dtype=torch.int64)
+        steps = torch.tensor([len(s.token_ids) for s in seqs] + [0] * pad, device=dev, dtype=torch.int64)
+        return temp, top_k, top_p, seeds, steps
+
+    def _prefill(self, req: _Request) -> list[RolloutResult]:
+        start = time.perf_counter()
+        n = req.sampling.n
+        slots = [self._free.pop() for _ in range(n)]
+        logits = self._forward_last(req.prompt, slots[0])
+        self.cache.copy_prefix(slots[0], slots[1:], len(req.prompt))
+        seqs = [_Sequence(req, j, _sample_seed(req.seed, req.prompt_index, j)) for j in range(n)]
+        self._live.update(zip(slots, seqs, strict=True))
+        tokens, logprobs = sample(logits.expand(n, -1), *self._sampling_rows(seqs, n))
+        finished = self._append(slots, tokens.tolist(), logprobs.tolist())
+        self.stats.prefill_tokens += len(req.prompt)
+        self.stats.prefill_s += time.perf_counter() - start
+        return finished
+
+    def _decode(self) -> list[RolloutResult]:
+        start = time.perf_counter()
+        slots = list(self._live)
+        seqs = [self._live[s] for s in slots]
+        rows = next(b for b in self.buckets if b >= len(slots))
+        pad, dev = rows - len(slots), self.device
+        ids = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * pad, device=dev)
+        pos = torch.tensor([len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs] + [0] * pad, device=dev)
+        slot_t = torch.tensor(slots + [self.cache.scratch_slot] * pad, device=dev)
+        hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache)
+        tokens, logprobs = sample(self.model.compute_logits(hidden[:, 0]), *self._sampling_rows(seqs, rows))
+        finished = self._append(slots, tokens[: len(slots)].tolist(), logprobs[: len(slots)].tolist())
+        self.stats.decode_s += time.perf_counter() - start
+        self.stats.decode_tokens += len(slots)
+        self.stats.decode_rows += rows
+        self.stats.decode_steps += 1
+        return finished
+
     @torch.inference_mode()
+    def step(self) -> list[RolloutResult]:
+        """Admit waiting groups while their n slots are free (one prefill each), then one decode step over every
+        live sequence. Returns the samples that finished."""
+        finished = []
+        while self._waiting and len(self._free) >= self._waiting[0].sampling.n:
+            finished += self._prefill(self._waiting.popleft())
+        if self._live:
+            finished += self._decode()
+        return finished
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[RolloutResult]:
-        """One RolloutResult per (prompt, sample), ordered by prompt then sample."""
+        """One RolloutResult per (prompt, sample), ordered by prompt then sample. All prompts are checked
+        before any is queued."""
         self._check_tokens("prompt_token_ids", prompt_token_ids)
         for i, p in enumerate(prompt_token_ids):
             if len(p) >= self.max_model_len:
                 raise ValueError(f"prompt_token_ids[{i}] has {len(p)} tokens; max_model_len={self.max_model_len} "
                                  f"leaves no room to generate")
-        if sampling.n > self.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={sampling.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
-        base = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
-        stop = set(self.model.args.eos_token_id) | set(sampling.stop_token_ids)
-        dev, n = self.device, sampling.n
-        results: list[RolloutResult] = []
-        pending, free = deque(range(len(prompt_token_ids))), list(range(self.max_num_seqs))[::-1]
-        live: dict[int, _Sequence] = {}
-
-        def params(rows: int):
-            return (torch.full((rows,), float(sampling.temperature), device=dev),
-                    torch.full((rows,), sampling.top_k, device=dev, dtype=torch.int64),
-                    torch.full((rows,), float(sampling.top_p), device=dev))
-
-        def append(slots: list[int], tokens: list[int], logprobs: list[float]) -> None:
-            for slot, tok, lp in zip(slots, tokens, logprobs, strict=True):
-                seq = live[slot]
-                seq.token_ids.append(tok)
-                seq.logprobs.append(lp)
-                length = seq.num_prompt_tokens + len(seq.token_ids)
-                reason = ("stop" if tok in stop else
-                          "length" if len(seq.token_ids) >= sampling.max_tokens or length >= self.max_model_len
-                          else None)
-                if reason:
-                    results.append(RolloutResult(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs,
-                                                 reason, self.weight_version, seq.num_prompt_tokens,
-                                                 len(seq.token_ids)))
-                    del live[slot]
-                    free.append(slot)
-
-        while pending or live:
-            while pending and len(free) >= n:
-                i = pending.popleft()
-                prompt = list(prompt_token_ids[i])
-                slots = [free.pop() for _ in range(n)]
-                logits = self._forward_last(prompt, slots[0])
-                self.cache.copy_prefix(slots[0], slots[1:], len(prompt))
-                seeds = [_sample_seed(base, i, j) for j in range(n)]
-                for j, slot in enumerate(slots):
-                    live[slot] = _Sequence(i, j, seeds[j], len(prompt))
-                first_step = torch.zeros(n, dtype=torch.int64, device=dev)
-                tokens, logprobs = sample(logits.expand(n, -1), *params(n), torch.tensor(seeds, device=dev), first_step)
-                append(slots, tokens.tolist(), logprobs.tolist())
-            if not live:
-                continue
-            slots = list(live)
-            rows = next(b for b in self.buckets if b >= len(slots))
-            pad = rows - len(slots)
-            seqs = [live[s] for s in slots]
-            ids = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * pad, device=dev)
-            pos = torch.tensor([s.num_prompt_tokens + len(s.token_ids) - 1 for s in seqs] + [0] * pad, device=dev)
-            slot_t = torch.tensor(slots + [self.cache.scratch_slot] * pad, device=dev)
-            hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache)
-            logits = self.model.compute_logits(hidden[:, 0])
-            seeds = torch.tensor([s.seed for s in seqs] + [0] * pad, device=dev)
-            steps = torch.tensor([len(s.token_ids) for s in seqs] + [0] * pad, device=dev)
-            tokens, logprobs = sample(logits, *params(rows), seeds, steps)
-            append(slots, tokens[: len(slots)].tolist(), logprobs[: len(slots)].tolist())
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drain add_request/step work first")
+        for i, p in enumerate(prompt_token_ids):
+            self.add_request(p, sampling, prompt_index=i)
+        results = []
+        while self.has_unfinished():
+            results += self.step()
         return sorted(results, key=lambda r: (r.prompt_index, r.sample_index))
 
     @torch.inference_mode()
@@ -178,6 +278,8 @@ class RolloutEngine:
         self._check_tokens("completion_token_ids", completion_token_ids, allow_empty=True)
         if len(prompt_token_ids) != len(completion_token_ids):
             raise ValueError(f"score: {len(prompt_token_ids)} prompts but {len(completion_token_ids)} completions")
+        if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"score: temperature={temperature!r} must be a finite number >= 0")
         scale = temperature if temperature > 0 else 1.0
         out = []
         for i, (prompt, completion) in enumerate(zip(prompt_token_ids, completion_token_ids, strict=True)):

@@ -34,6 +34,10 @@ class SamplingParams:
         def bad(name, why):
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
+        for name in ("temperature", "top_p", "top_k", "max_tokens", "n", "seed"):
+            if isinstance(getattr(self, name), bool):  # bool is an int to isinstance, never a valid value here
+                raise bad(name, "must be a number, not a bool")
+
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise bad("temperature", "must be a finite number >= 0")
@@ -47,7 +51,8 @@ class SamplingParams:
             raise bad("n", "must be an integer >= 1")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise bad("seed", "must be None or an integer in [0, 2^63)")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
 
 
@@ -56,7 +61,8 @@ class RolloutResult:
     """One sample. `logprobs[i]` is the FP32 log_softmax(logits / temperature)[token_ids[i]] over the
     full vocabulary (before top-k/top-p filtering); at temperature 0 the logits are not scaled.
     finish_reason: "stop" (eos or a stop token, which is kept as the last token), "length"
-    (max_tokens or the context limit), "abort" (cancelled before it finished)."""
+    (max_tokens or the context limit), "abort" (cancelled before it finished). latency_s and ttft_s run
+    from the request's arrival at the engine to its last and first token."""
 
     prompt_index: int
     sample_index: int
@@ -66,6 +72,10 @@ class RolloutResult:
     weight_version: int
     num_prompt_tokens: int
     num_completion_tokens: int
+    # Bookkeeping, not part of a result's identity: engine-local ids and wall-clock times.
+    request_id: str = field(default="", compare=False)
+    latency_s: float = field(default=0.0, compare=False)
+    ttft_s: float = field(default=0.0, compare=False)
 
 
 _MASK32 = 0xFFFFFFFF
@@ -101,7 +111,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-    keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    # top_p >= 1 keeps everything outright: in FP32 the mass before a far-tail token can round to exactly 1.
+    keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
     filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(~keep, float("-inf")))
     sampled = torch.argmax(filtered + gumbel_noise(seeds, steps, V), dim=-1)
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)

@@ -14,6 +14,7 @@ Every problem (missing, unexpected, duplicate or misshapen tensor, bad config) r
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +32,14 @@ def read_args(path: str | Path) -> ModelArgs:
     config = Path(path) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
-    return from_hf_config(json.loads(config.read_text()), source=str(config))
+    args = from_hf_config(json.loads(config.read_text()), source=str(config))
+    # Chat checkpoints list more end tokens in generation_config.json (Qwen3: <|im_end|> and <|endoftext|>).
+    gen_config = Path(path) / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        args = replace(args, eos_token_id=tuple(dict.fromkeys([*args.eos_token_id, *map(int, eos)])))
+    return args
 
 
 def _safetensors_files(path: Path) -> list[Path]:

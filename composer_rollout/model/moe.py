@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import MXFP8Tensor, moe_reference
+from kernels import MXFP8Tensor, moe_reference, warp_decode_moe
 
 MoEPath = Callable[..., torch.Tensor]
 
@@ -26,8 +26,14 @@ def _torch_path(hidden, topk_weights, topk_ids, w13, w2):
     return moe_reference(hidden, topk_weights, topk_ids, w13, w2)
 
 
-KERNEL_PATHS: dict[str, MoEPath] = {"torch": _torch_path}
-PLANNED_PATHS = ("warp_decode", "expert_centric", "auto")
+def _warp_decode_path(hidden, topk_weights, topk_ids, w13, w2):
+    # The launcher rejects what it cannot run (FP32 activations or weights, CPU tensors outside Triton's
+    # interpreter) with an error naming the argument, rather than this path quietly computing in torch.
+    return warp_decode_moe(hidden, topk_weights, topk_ids, w13, w2)
+
+
+KERNEL_PATHS: dict[str, MoEPath] = {"torch": _torch_path, "warp_decode": _warp_decode_path}
+PLANNED_PATHS = ("expert_centric", "auto")
 
 
 def resolve_kernel_path(name: str) -> MoEPath:
