@@ -2,13 +2,7 @@
 # The foundation's GPU checks in one device call: CUDA parity tests, then the qwen3_30b_a3b preset
 # (random init, MXFP8 experts) loaded and generating. Results land in $OUT (or ./out).
 set -uo pipefail
-out=${OUT:-out}
-mkdir -p "$out"
-if [ -d .whl-hydra ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-hydra/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -m pytest -q -m gpu tests/test_model_parity.py -p no:cacheprovider -s 2>&1 | tee "$out/parity.log"
 python3 jobs/generate.py model=qwen3_30b_a3b engine.max_num_seqs=8 engine.max_model_len=1024 \

@@ -2,13 +2,7 @@
 # Warp decode on the GPU in one device call: its GPU tests, jobs/bench_moe.py, and the qwen3_30b_a3b
 # preset generating end to end on kernel=torch and kernel=warp_decode. Results land in $OUT (or ./out).
 set -uo pipefail
-out=${OUT:-out}
-mkdir -p "$out"
-if [ -d .whl-hydra ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-hydra/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 python3 -m pytest -q -m gpu tests/test_warp_decode_moe.py tests/test_kernel_paths.py -p no:cacheprovider 2>&1 \
   | tee "$out/gpu_tests.log"
 python3 jobs/bench_moe.py --out "$out" --no-sweep 2>&1 | tee "$out/bench_moe.log"
