@@ -1,7 +1,7 @@
-# composer-rollout: make install | test | lint | generate | bench-load | bench-moe | gpu-foundation
+# composer-rollout: make install | test | lint | rollout | generate | bench-load | bench-moe | gpu-foundation
 PY ?= python3
 
-.PHONY: install test lint generate bench-load bench-moe gpu-foundation
+.PHONY: install test lint rollout generate bench-load bench-moe gpu-foundation
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -13,7 +13,10 @@ test:  ## the whole suite; Triton kernels run in its interpreter on CPU, `gpu` t
 lint:
 	$(PY) -m ruff check composer_rollout kernels jobs tests
 
-generate:  ## the main job for now: generate from the tiny preset and print completions with logprobs
+rollout:  ## the main job: the rollout job on a local Ray instance (embedded prompts, tiny preset, 2 CPU workers)
+	$(PY) jobs/rollout.py $(ARGS)
+
+generate:  ## in-process generation, no Ray: generate from the tiny preset and print completions with logprobs
 	$(PY) jobs/generate.py $(ARGS)
 
 bench-load:  ## checkpoint load time against tensor count (CPU)

@@ -9,6 +9,7 @@ passes them as plain strings.
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from composer_rollout.engine import RolloutEngine, SamplingParams
 
@@ -68,6 +69,80 @@ class GenerateJobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompts: list[list[int]] = field(default_factory=lambda: [list(p) for p in DEFAULT_PROMPTS])
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The worker pool: one RolloutEngine per worker, each in its own bundle of a placement group.
+    `seed` is the sampling seed used when `sampling.seed` is null: a fixed seed is what lets a prompt redone on
+    another worker (after a crash, or on resume) give exactly the samples it would have given the first time."""
+
+    num_workers: int = 2
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    max_restarts: int = 3  # Ray restarts a dead worker this many times; its unfinished prompts go elsewhere meanwhile
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """address null: start a local Ray instance (or join the one named by RAY_ADDRESS, as under `ray job submit`);
+    "auto": an existing cluster on this machine; "ray://host:10001": a remote one."""
+
+    address: str | None = None
+    num_cpus: int | None = None  # only when starting a local instance; null: all of this machine's cores
+
+
+class LoggerName(StrEnum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    name: LoggerName = LoggerName.wandb
+    mode: WandbMode = WandbMode.offline
+    project: str = "composer-rollout"
+    entity: str | None = None
+    run_name: str | None = None
+    dir: str | None = None  # null: the job's Hydra run directory
+    table_rows: int = 32  # sample rollouts put in the wandb Table
+    every_s: float = 2.0  # how often live metrics are logged during the job
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """scorer null: a plain rollout job. Otherwise a `_target_` dict (hydra.utils.instantiate) giving a callable
+    (prompt, result, answer) -> float; the summary adds the mean score and pass@k for each k (k <= n)."""
+
+    scorer: Any = None
+    k: list[int] = field(default_factory=lambda: [1])
+
+
+@dataclass(frozen=True)
+class RolloutJobConfig:
+    """jobs/rollout.py. prompts: a JSONL or Parquet path, or "builtin:default" / "builtin:eval" (embedded sets).
+    output: null writes rollouts.jsonl in Hydra's run directory; an existing non-empty output needs resume=true."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    prompts: str = "builtin:default"
+    output: str | None = None
+    resume: bool = False
+    skip_bad_prompts: bool = False
+    rejects: str | None = None  # null: rejects.jsonl beside the output
 
 
 def build_engine(model: ModelConfig, kernel: KernelConfig, engine: EngineConfig) -> RolloutEngine:

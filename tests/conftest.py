@@ -20,3 +20,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One local Ray head for the rollout tests (`ray start --head`), shared by the in-process pool tests, the
+    job subprocesses (`ray.address=...`) and `ray job submit` (through its dashboard): a Ray start-up costs ~10 s
+    on 2 cores, so the tests pay it once. Yields {"gcs": host:port, "dashboard": http URL}."""
+    import shutil
+    import socket
+    import subprocess
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, dashboard_port = free_port(), free_port()
+    ray_bin = shutil.which("ray")
+    assert ray_bin, "the ray CLI is not installed"
+    # Token auth (on by default in Ray 2.60) is for shared clusters; this one is private to the test run, and the
+    # job subprocesses inherit these variables.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    env = dict(os.environ)
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}"}
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def ray_head(ray_cluster) -> str:
+    """The shared head's GCS address."""
+    return ray_cluster["gcs"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
-from composer_rollout.model import PRESETS, Qwen3MoE, load_checkpoint, preset
+from composer_rollout.model import PRESETS, ModelArgs, Qwen3MoE, load_checkpoint, preset
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _MASK63 = (1 << 63) - 1
@@ -33,6 +33,15 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
         sizes += [m + m // 2, 2 * m]
         m *= 2
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+
+
+def resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
+    """The context an engine gets: `requested`, or min(max_position_embeddings, 4096) when None."""
+    limit = args.max_position_embeddings
+    max_len = min(limit, 4096) if requested is None else requested
+    if not 2 <= max_len <= limit:
+        raise ValueError(f"max_model_len {max_len} must be in [2, max_position_embeddings={limit}]")
+    return max_len
 
 
 def _sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
@@ -84,10 +93,7 @@ class RolloutEngine:
     def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        limit = model.args.max_position_embeddings
-        self.max_model_len = min(limit, 4096) if max_model_len is None else max_model_len
-        if not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len {self.max_model_len} must be in [2, max_position_embeddings={limit}]")
+        self.max_model_len = resolve_max_model_len(model.args, max_model_len)
         self.model, self.max_num_seqs = model, max_num_seqs
         self.device = model.device
         self.cache = model.new_kv_cache(max_num_seqs, self.max_model_len)
