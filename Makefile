@@ -1,7 +1,7 @@
-# composer-rollout: make install | test | lint | rollout | generate | bench-load | bench-moe | gpu-foundation
+# composer-rollout: make install | test | lint | rollout | generate | bench-load | bench-moe | gpu-*
 PY ?= python3
 
-.PHONY: install test lint rollout generate bench-load bench-moe gpu-foundation
+.PHONY: install test lint rollout generate bench-load bench-moe gpu-foundation gpu-warp-decode gpu-rollout
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -27,3 +27,9 @@ bench-moe:  ## MoE kernel paths at the Qwen3 shapes (GPU)
 
 gpu-foundation:  ## on the GPU machine: CUDA parity tests and the qwen3_30b_a3b preset generating
 	bash jobs/gpu_foundation.sh
+
+gpu-warp-decode:  ## on the GPU machine: warp-decode GPU tests, bench_moe, and the 30B preset on torch vs warp_decode
+	bash jobs/gpu_warp_decode.sh
+
+gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU worker, 256 prompts
+	bash jobs/gpu_rollout.sh

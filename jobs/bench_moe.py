@@ -21,15 +21,11 @@ import triton
 import triton.language as tl
 
 from kernels import moe_reference, mxfp8_quantize
-from kernels.warp_decode_mma import MmaTiles, warp_decode_mma
 from kernels.warp_decode_moe import Tiles, warp_decode_moe
 
 SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, k=8), "qwen3-235b-a22b": dict(H=4096, I=1536, E=128, k=8)}
 # Quoted from /work/shared/docs/background.md (vLLM Triton fused_moe, faster of BF16/FP8, H200, 30B shape).
 VLLM_QUOTED_US = {1: 29.1, 2: 38.2, 4: 50.9, 8: 92.3, 16: 120.5, 32: 160.4, 64: 188.5, 128: 200.2}
-# FP16 tensor-core schedule (kernels/warp_decode_mma.py): `--paths` names, each with its tiles.
-MMA_PATHS = {"mma": MmaTiles(), "mma_batched": MmaTiles(batched=True),
-             "mma_r16": MmaTiles(gate_up_rows=16, down_rows=16)}
 TARGET_US = {1: 17.4, 2: 23.6, 4: 45.3, 8: 80.7, 16: 112.0, 32: 152.0, 64: 171.0}
 
 
@@ -37,12 +33,6 @@ TARGET_US = {1: 17.4, 2: 23.6, 4: 45.3, 8: 80.7, 16: 112.0, 32: 152.0, 64: 171.0
 def _read_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < N, other=0), axis=0))
-
-
-def moe_call(h, w, i, w13, w2, schedule="auto", tiles=None):
-    if schedule in MMA_PATHS:
-        return warp_decode_mma(h, w, i, w13, w2, tiles=MMA_PATHS[schedule])
-    return warp_decode_moe(h, w, i, w13, w2, schedule=schedule, **({} if tiles is None else dict(tiles=tiles)))
 
 
 def time_graph(fn, reps):
@@ -145,10 +135,10 @@ def bench_shape(name, shape, tokens, layers, reps, paths, sweep):
             ws = mx if wtype == "mxfp8" else bf
             try:
                 def layers_call(ws=ws, kw=kw, inputs=inputs):
-                    return [moe_call(h, w, i, *ws[l], **kw) for l, (h, w, i) in enumerate(inputs)]
+                    return [warp_decode_moe(h, w, i, *ws[l], **kw) for l, (h, w, i) in enumerate(inputs)]
 
                 us = time_graph(layers_call, reps) / layers
-                out = moe_call(h0, w0, i0, *ws[0], **kw)
+                out = warp_decode_moe(h0, w0, i0, *ws[0], **kw)
                 err_same = rel_err(out, ref_same if wtype == "mxfp8" else ref_bf16w)
                 err_orig = rel_err(out, ref_orig)
             except Exception as exc:  # a failing variant is reported, the rest still run

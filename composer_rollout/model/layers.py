@@ -15,6 +15,7 @@ lengths inside the batch, so a decode step can be captured in a CUDA graph per b
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class RMSNorm(nn.Module):
@@ -98,5 +99,9 @@ class Attention(nn.Module):
         values = cache.v[layer, slots].transpose(1, 2)
         key_pos = torch.arange(cache.max_len, device=x.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, max_len]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        # The math backend, pinned: on the H200 (torch 2.11) SDPA otherwise picks cuDNN for BF16 with a mask,
+        # whose logits came out 7x further from FP32 (9.3e-2 against 1.3e-2 relative; docs/perf.md). This is the
+        # reference attention; the fast one is a Triton kernel of its own (issue 6).
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
