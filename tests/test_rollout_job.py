@@ -139,3 +139,58 @@ def test_ray_job_submit_against_a_local_head(tmp_path, ray_cluster):
     assert "succeeded" in proc.stdout + proc.stderr
     rows = lines(out / "rollouts.jsonl")
     assert sorted((r["prompt_id"], r["sample_index"]) for r in rows) == [(f"p{i}", j) for i in range(3) for j in (0, 1)]
+
+
+def test_ctrl_c_leaves_a_file_that_resume_completes(tmp_path, ray_head):
+    """A real SIGINT to the driver mid-job: the file it leaves holds whole lines only, and resume=true finishes it
+    with every sample exactly once."""
+    import signal
+    import time
+
+    out = tmp_path / "out.jsonl"
+    common = ["prompts=builtin:random:40", "sampling.n=2", "sampling.max_tokens=24", f"output={out}"]
+    args = [sys.executable, "jobs/rollout.py", f"hydra.run.dir={tmp_path / 'first'}", f"ray.address={ray_head}",
+            "logger=none", "engine.max_model_len=96", "engine.max_num_seqs=4", *common]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and len(out.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the job finished before it could be interrupted: " + proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "interrupted:" in err, err[-3000:]
+    done = lines(out)  # every line parses: nothing torn
+    assert 3 <= len(done) < 80
+    resumed = run_job(tmp_path, ray_head, *common, "resume=true", name="resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    recs = lines(out)
+    assert recs[: len(done)] == done
+    assert sorted((r["prompt_index"], r["sample_index"]) for r in recs) == [(i, j) for i in range(40) for j in (0, 1)]
+
+
+def test_text_prompts_use_the_checkpoints_tokenizer(tmp_path, ray_head):
+    """`prompt` text is tokenized with the tokenizer saved in model.path (a real Hugging Face tokenizer)."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from composer_rollout.model import Qwen3MoE, preset, save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(Qwen3MoE(preset("tiny"), dtype=torch.float32).init_random(3), ckpt)
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(510)]
+    core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>").save_pretrained(ckpt)
+    texts = {"a": "w5 w17 w300 w2", "b": "w9 w9 w509"}
+    src = tmp_path / "text.jsonl"
+    src.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in texts.items()))
+    proc = run_job(tmp_path, ray_head, f"model.path={ckpt}", f"prompts={src}", "sampling.max_tokens=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    got = {r["prompt_id"]: r["num_prompt_tokens"] for r in lines(tmp_path / "run" / "rollouts.jsonl")}
+    assert got == {k: len(tok(v, add_special_tokens=False)["input_ids"]) for k, v in texts.items()} == {"a": 4, "b": 3}
