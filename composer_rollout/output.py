@@ -32,8 +32,8 @@ def read_existing(path: Path, prompts: list[Prompt]) -> tuple[list[dict], bytes]
     cut = data.rfind(b"\n") + 1
     body, tail = data[:cut], data[cut:]
     by_index = {p.index: p for p in prompts}
-    records = []
-    for lineno, line in enumerate(body.decode().splitlines(), start=1):
+
+    def checked(line: str | bytes, lineno: int) -> dict:
         try:
             rec = json.loads(line)
             key = (rec["prompt_index"], rec["sample_index"])
@@ -43,14 +43,18 @@ def read_existing(path: Path, prompts: list[Prompt]) -> tuple[list[dict], bytes]
         if p is None or p.id != rec.get("prompt_id") or not 0 <= key[1] < p.sampling.n:
             raise ValueError(f"{path}:{lineno}: sample {key} of prompt {rec.get('prompt_id')!r} is not in this "
                              f"prompt set; resume needs the same prompts and sampling.n as the interrupted job")
-        records.append(rec)
+        return rec
+
+    lines = body.decode().splitlines()
+    records = [checked(line, lineno) for lineno, line in enumerate(lines, start=1)]
     if tail:
-        try:  # a last line that parsed but lost only its newline is complete: keep it
+        try:  # a last line that parsed but lost only its newline is a complete record: keep it, as done
             rec = json.loads(tail)
-            if isinstance(rec, dict) and "sample_index" in rec:
-                return records, b""
         except json.JSONDecodeError:
-            pass
+            return records, tail
+        if isinstance(rec, dict) and "sample_index" in rec:
+            records.append(checked(tail, len(lines) + 1))
+            return records, b""
     return records, tail
 
 

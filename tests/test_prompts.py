@@ -92,6 +92,21 @@ def test_resume_keeps_lines_and_sets_torn_tail_aside(tmp_path):
         RolloutWriter(out, other, resume=True)
 
 
+def test_resume_counts_a_last_record_that_only_lost_its_newline(tmp_path):
+    prompts, _ = load_prompts("builtin:random:2", **KW)
+    out = tmp_path / "rollouts.jsonl"
+    w = RolloutWriter(out, prompts, resume=False)
+    for i in (0, 1):
+        w.write(record(prompts[i], result(i, 0), worker_id=0))
+    w.close()
+    out.write_bytes(out.read_bytes()[:-1])  # stopped between the record and its newline
+    w = RolloutWriter(out, prompts, resume=True)
+    assert w.done == {(0, 0), (1, 0)} and len(w.existing) == 2
+    w.close()
+    assert out.read_text().endswith("}\n") and len(out.read_text().splitlines()) == 2
+    assert not (tmp_path / "rollouts.jsonl.torn").exists()
+
+
 def test_exact_match_and_pass_at_k():
     em = ExactMatch()
     stop = RolloutResult(0, 0, [7, 8, 1], [0.0] * 3, "stop", 0, 1, 3)
