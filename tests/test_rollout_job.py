@@ -194,3 +194,13 @@ def test_text_prompts_use_the_checkpoints_tokenizer(tmp_path, ray_head):
     tok = AutoTokenizer.from_pretrained(ckpt)
     got = {r["prompt_id"]: r["num_prompt_tokens"] for r in lines(tmp_path / "run" / "rollouts.jsonl")}
     assert got == {k: len(tok(v, add_special_tokens=False)["input_ids"]) for k, v in texts.items()} == {"a": 4, "b": 3}
+
+
+def test_ray_address_auto_joins_the_running_cluster(tmp_path, ray_head):
+    """`ray.address=auto` finds the head that `ray start --head` left running on this machine."""
+    args = [sys.executable, "jobs/rollout.py", f"hydra.run.dir={tmp_path}", "ray.address=auto", "logger=none",
+            "prompts=builtin:random:2", "sampling.max_tokens=3", "engine.max_model_len=96"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Connecting to existing Ray cluster" in proc.stderr + proc.stdout
+    assert len(lines(tmp_path / "rollouts.jsonl")) == 2

@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError
 from composer_rollout.config import EngineConfig, KernelConfig, ModelConfig, RolloutConfig
 from composer_rollout.engine import SamplingParams
 from composer_rollout.prompts import load_prompts
-from composer_rollout.rollout import RolloutPool
+from composer_rollout.rollout import RolloutPool, WorkersExhaustedError
 
 ENGINE = EngineConfig(max_num_seqs=8, max_model_len=96)
 
@@ -86,3 +86,16 @@ def test_killed_worker_exactly_once(pool, reference):
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]  # redone prompts reproduce exactly
     new_pids = live_pids(pool)  # Ray brought worker 0 back as a new process
     assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+
+
+def test_a_pool_whose_workers_are_all_gone_says_so(cluster):
+    """max_restarts=0 and the only worker killed: the job fails with WorkersExhaustedError, it does not hang."""
+    lone = RolloutPool(ModelConfig(), KernelConfig(), ENGINE, RolloutConfig(num_workers=1, max_restarts=0))
+    try:
+        pid = lone.pids()[0]
+        with pytest.raises(WorkersExhaustedError, match="max_restarts=0"):
+            for i, _ in enumerate(lone.run(prompts())):
+                if i == 0:
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        lone.shutdown()
