@@ -184,9 +184,22 @@ def load_prompts(source: str, *, sampling: SamplingParams, vocab_size: int, max_
     return prompts, rejects
 
 
-def hf_tokenizer(path: str) -> Callable[[str], list[int]]:
-    """The checkpoint directory's own tokenizer (transformers), as text -> token ids."""
-    from transformers import AutoTokenizer  # only text prompts need transformers
+class CheckpointTokenizer:
+    """The checkpoint directory's own tokenizer (transformers), loaded once, on first use: text prompts need it to
+    encode, text-answer scorers to decode, and a job with neither never loads it."""
 
-    tok = AutoTokenizer.from_pretrained(path)
-    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    def __init__(self, path: str):
+        self.path, self._tok = path, None
+
+    def _get(self):
+        if self._tok is None:
+            from transformers import AutoTokenizer  # only text prompts and text answers need transformers
+
+            self._tok = AutoTokenizer.from_pretrained(self.path)
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._get()(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._get().decode(token_ids)

@@ -29,7 +29,7 @@ from composer_rollout.engine import resolve_max_model_len
 from composer_rollout.model import preset, resolve_kernel_path
 from composer_rollout.model.checkpoint import read_args
 from composer_rollout.output import RolloutWriter, format_summary, record, summarize, write_rejects
-from composer_rollout.prompts import PromptError, hf_tokenizer, load_prompts
+from composer_rollout.prompts import CheckpointTokenizer, PromptError, load_prompts
 from composer_rollout.rollout import RolloutPool
 from composer_rollout.scoring import eval_summary
 from jobs.hydra_config import register, to_dataclass
@@ -56,16 +56,10 @@ def prepare(job: RolloutJobConfig, run_dir: Path):
     # on another worker after a crash, or on resume, gives exactly the same samples.
     sampling = job.sampling if job.sampling.seed is not None else dataclasses.replace(job.sampling,
                                                                                       seed=job.rollout.seed)
-    tokenizer = {}
-
-    def tokenize(text: str) -> list[int]:  # loaded on the first text prompt only
-        if "fn" not in tokenizer:
-            tokenizer["fn"] = hf_tokenizer(tok_dir)
-        return tokenizer["fn"](text)
-
+    tokenizer = CheckpointTokenizer(tok_dir) if tok_dir else None
     prompts, rejects = load_prompts(job.prompts, sampling=sampling, vocab_size=vocab, max_model_len=max_len,
-                                    max_num_seqs=job.engine.max_num_seqs, tokenize=tokenize if tok_dir else None,
-                                    skip_bad=job.skip_bad_prompts)
+                                    max_num_seqs=job.engine.max_num_seqs,
+                                    tokenize=tokenizer.encode if tokenizer else None, skip_bad=job.skip_bad_prompts)
     output = Path(job.output) if job.output else run_dir / "rollouts.jsonl"
     if rejects:
         rejects_path = Path(job.rejects) if job.rejects else output.with_name("rejects.jsonl")
@@ -82,11 +76,7 @@ def prepare(job: RolloutJobConfig, run_dir: Path):
         bad_k = [k for k in job.eval.k if not 1 <= k <= max(p.sampling.n for p in prompts)]
         if bad_k:
             raise ValueError(f"eval.k={bad_k}: each k must be in [1, sampling.n]")
-    decode = None
-    if scorer is not None and tok_dir:
-        from transformers import AutoTokenizer
-
-        decode = AutoTokenizer.from_pretrained(tok_dir).decode
+    decode = tokenizer.decode if scorer is not None and tokenizer else None
     return prompts, output, scorer, decode
 
 
