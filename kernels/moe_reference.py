@@ -19,8 +19,9 @@ It reads only the experts that are routed to, so it also runs at the real model'
 
 import torch
 import torch.nn.functional as F
+import triton
 
-from kernels.mxfp8 import MXFP8Tensor, as_dense
+from kernels.mxfp8 import MXFP8_BLOCK, MXFP8Tensor, as_dense
 
 
 def check_moe_args(hidden, topk_weights, topk_ids, w13, w2) -> None:
@@ -39,6 +40,56 @@ def check_moe_args(hidden, topk_weights, topk_ids, w13, w2) -> None:
     E, two_i, _ = w13.shape
     if tuple(w2.shape) != (E, H, two_i // 2):
         raise ValueError(f"w2 must be [E={E}, H={H}, I={two_i // 2}], got {tuple(w2.shape)}")
+
+
+def check_tensor(name: str, tensor, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    """One intermediate buffer of a kernel launcher: dtype, shape, contiguity and device, the error naming it."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, expected {device}")
+
+
+def weight_parts(w, name: str, device: torch.device):
+    """(data, scales or data as a placeholder, is_mx) of a kernel's weight operand: a contiguous BF16 tensor or
+    MXFP8Tensor on `device`, the error naming it."""
+    if isinstance(w, MXFP8Tensor):
+        parts = {f"{name}.data": w.data, f"{name}.scales": w.scales}
+    elif isinstance(w, torch.Tensor):
+        if w.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be a bfloat16 tensor or an MXFP8Tensor, got {w.dtype}")
+        parts = {name: w}
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or an MXFP8Tensor, got {type(w).__name__}")
+    for label, tensor in parts.items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"{label} must be contiguous (row-major [E, out, in]), got strides {tensor.stride()}")
+        if tensor.device != device:
+            raise ValueError(f"{label} is on {tensor.device}, hidden is on {device}")
+    return (w.data, w.scales, True) if isinstance(w, MXFP8Tensor) else (w, w, False)
+
+
+def check_kernel_args(hidden, topk_weights, topk_ids, w13, w2) -> None:
+    """What every Triton path's launcher needs beyond check_moe_args: BF16 hidden, float routing weights, H and I
+    multiples of the MXFP8 block, contiguous inputs on one CUDA device (or Triton's interpreter)."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dtype != torch.bfloat16:
+        raise TypeError(f"hidden must be a bfloat16 tensor, got {getattr(hidden, 'dtype', type(hidden))}")
+    if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"topk_weights must be float32, bfloat16 or float16, got {topk_weights.dtype}")
+    check_moe_args(hidden, topk_weights, topk_ids, w13, w2)
+    if w13.shape[-1] % MXFP8_BLOCK or w2.shape[-1] % MXFP8_BLOCK:
+        raise ValueError(f"H and I must be multiples of {MXFP8_BLOCK}, got w13 {tuple(w13.shape)}")
+    if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(f"hidden is on {hidden.device}: the kernels need CUDA tensors (or Triton's interpreter)")
+    for name, tensor in (("hidden", hidden), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
+        if tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device}, hidden is on {hidden.device}")
 
 
 def moe_reference(

@@ -19,7 +19,10 @@ touched expert from HBM once. Two schedules:
   reduced with tl.sum over an axis one warp spans (Triton's form of the shuffle butterfly); MXFP8 scales
   multiply each 32-element partial sum, so dequantization costs a convert per weight and a multiply per 32.
   No sorting, no padding, no combine. Tokens sharing an expert each read its rows (through L2) and redo
-  its FMAs, so its time grows with T; measured fastest up to T = 16 (k = 8).
+  its FMAs, so its time grows with T; measured fastest up to T = 16 (k = 8). A program takes its rows' whole
+  H in one chunk (loads issued together, none waiting on the last iteration's), and at T = 1 the down
+  launch is programmatic-dependent: its CTAs load their weights while gate_up drains and only the act load
+  waits (griddepcontrol.wait).
 * expert: one program per (distinct expert, block of rows), found in-kernel from topk_ids (the first pair
   routed to an expert leads, the rest exit), loops over the pairs routed to it in tiles of 16 and runs a
   TF32 tl.dot on the dequantized FP32 tile, so each weight byte is read once however many tokens share it.
@@ -36,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_reference import check_moe_args
-from kernels.mxfp8 import MXFP8_BLOCK, MXFP8Tensor
+from kernels.moe_combine import moe_combine
+from kernels.moe_reference import check_kernel_args, weight_parts
 
 _PAIR_TILE = 16  # tl.dot needs at least 16 rows; decode rarely routes more pairs than that to one expert
 
@@ -56,17 +59,23 @@ def _k_mask(kk, KDIM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(d_ptr, s_ptr, row, row_ok, vec, kk, k_ok, sg, KDIM, IS_MX: tl.constexpr):
-    """sum_k W[row, k] * vec[.., k] for row [R], kk [G, 32], vec broadcastable to [R, G, 32], sg [G] the
-    scale column of each 32-group: the MXFP8 scale multiplies a 32-element partial sum, not every weight."""
+def _load_rows(d_ptr, s_ptr, row, row_ok, kk, k_ok, sg, KDIM, IS_MX: tl.constexpr):
+    """W[row, kk] as FP32 [R, G, 32] for row [R], kk [G, 32], and the factor of each 32-group [R, G] (its E8M0
+    scale, or 1 for BF16): the scale multiplies a 32-element partial sum, not every weight."""
     m = row_ok[:, None, None] & k_ok[None, :, :]
     w = tl.load(d_ptr + row[:, None, None] * KDIM + kk[None, :, :], mask=m, other=0.0).to(tl.float32)
-    part = tl.sum(w * vec, axis=2)
     if IS_MX:
         s = tl.load(s_ptr + row[:, None] * (KDIM // 32) + sg[None, :],
                     mask=row_ok[:, None] & (sg < KDIM // 32)[None, :], other=127)
-        part = part * _e8m0(s)
-    return tl.sum(part, axis=1)
+        return w, _e8m0(s)
+    return w, tl.full([row.shape[0], sg.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def _rows_dot(d_ptr, s_ptr, row, row_ok, vec, kk, k_ok, sg, KDIM, IS_MX: tl.constexpr):
+    """sum_k W[row, k] * vec[.., k], vec broadcastable to [R, G, 32], sg [G] the scale column of each group."""
+    w, f = _load_rows(d_ptr, s_ptr, row, row_ok, kk, k_ok, sg, KDIM, IS_MX)
+    return tl.sum(tl.sum(w * vec, axis=2) * f, axis=1)
 
 
 @triton.jit
@@ -119,8 +128,11 @@ def _pair_tile(ids_ptr, P, e, base, cnt, TB: tl.constexpr, PP: tl.constexpr):
 
 @triton.jit
 def _gate_up_pair_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
-                         K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         PDL: tl.constexpr):
     nb, p = tl.program_id(0), tl.program_id(1)
+    if PDL:  # down's CTAs may start (and load their weights) as soon as SMs have room
+        tl.extra.cuda.gdc_launch_dependents()
     t = p // K_TOP
     e = tl.load(ids_ptr + p).to(tl.int64)
     n = nb * BN + tl.arange(0, BN)
@@ -141,8 +153,8 @@ def _gate_up_pair_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, H: tl.co
 
 @triton.jit
 def _down_token_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr,
-                       KP: tl.constexpr,
-                       IS_MX: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+                       KP: tl.constexpr, IS_MX: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                       PDL: tl.constexpr):
     hb, t = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, KP * BH)
     j = r // BH
@@ -156,9 +168,14 @@ def _down_token_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, out_ptr, H: tl.constexpr,
     for k0 in range(0, I, BK):
         kk = k0 + kk0
         k_ok = _k_mask(kk, I, BK)
+        # The weights do not depend on gate_up: under PDL they load while gate_up still runs, and only the act
+        # load waits for it (a no-op after the first chunk).
+        w, f = _load_rows(d_ptr, s_ptr, e * H + h, row_ok, kk, k_ok, k0 // 32 + g0, I, IS_MX)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         a = tl.load(act_ptr + p[:, None, None] * I + kk[None, :, :], mask=row_ok[:, None, None] & k_ok[None, :, :],
                     other=0.0)
-        acc += _rows_dot(d_ptr, s_ptr, e * H + h, row_ok, a, kk, k_ok, k0 // 32 + g0, I, IS_MX)
+        acc += tl.sum(tl.sum(w * a, axis=2) * f, axis=1)
     y = tl.sum(tl.reshape(acc, (KP, BH)), axis=0)
     hh = hb * BH + tl.arange(0, BH)
     tl.store(out_ptr + t * H + hh, y.to(tl.bfloat16), mask=hh < H)
@@ -168,8 +185,10 @@ def _down_token_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, out_ptr, H: tl.constexpr,
 def _gate_up_expert_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, H: tl.constexpr, I: tl.constexpr,
                            K_TOP: tl.constexpr,
                            IS_MX: tl.constexpr, BY_PAIR: tl.constexpr, PP: tl.constexpr, TB: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     nb = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     e, cnt = _routed_pairs(ids_ptr, P, tl.program_id(1), BY_PAIR, PP)
     n = nb * BN + tl.arange(0, BN)
     n_ok = n < I
@@ -197,9 +216,13 @@ def _gate_up_expert_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, H: 
 def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.constexpr, I: tl.constexpr,
                         IS_MX: tl.constexpr,
                         BY_PAIR: tl.constexpr, PP: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr,
-                        BK: tl.constexpr):
+                        BK: tl.constexpr, PDL: tl.constexpr):
     hb = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     e, cnt = _routed_pairs(ids_ptr, P, tl.program_id(1), BY_PAIR, PP)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     h = hb * BH + tl.arange(0, BH)
     h_ok = h < H
     kb = tl.arange(0, BK)
@@ -217,82 +240,61 @@ def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.const
         base += TB
 
 
-@triton.jit
-def _combine_kernel(part_ptr, out_ptr, H: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr):
-    t = tl.program_id(1)
-    j = tl.arange(0, KP)
-    h = tl.program_id(0) * BH + tl.arange(0, BH)
-    m = (j < K_TOP)[:, None] & (h < H)[None, :]
-    y = tl.sum(tl.load(part_ptr + (t * K_TOP + j)[:, None] * H + h[None, :], mask=m, other=0.0), axis=0)
-    tl.store(out_ptr + t * H + h, y.to(tl.bfloat16), mask=h < H)
-
-
-def _weight_parts(w, name: str, device: torch.device):
-    """(data, scales or data as a placeholder, is_mx) after the checks the kernels rely on."""
-    if isinstance(w, MXFP8Tensor):
-        parts = {f"{name}.data": w.data, f"{name}.scales": w.scales}
-    elif isinstance(w, torch.Tensor):
-        if w.dtype != torch.bfloat16:
-            raise TypeError(f"{name} must be a bfloat16 tensor or an MXFP8Tensor, got {w.dtype}")
-        parts = {name: w}
-    else:
-        raise TypeError(f"{name} must be a torch.Tensor or an MXFP8Tensor, got {type(w).__name__}")
-    for label, tensor in parts.items():
-        if not tensor.is_contiguous():
-            raise ValueError(f"{label} must be contiguous (row-major [E, out, in]), got strides {tensor.stride()}")
-        if tensor.device != device:
-            raise ValueError(f"{label} is on {tensor.device}, hidden is on {device}")
-    return (w.data, w.scales, True) if isinstance(w, MXFP8Tensor) else (w, w, False)
-
-
-def _check_args(hidden, topk_weights, topk_ids, w13, w2):
-    if not isinstance(hidden, torch.Tensor) or hidden.dtype != torch.bfloat16:
-        raise TypeError(f"hidden must be a bfloat16 tensor, got {getattr(hidden, 'dtype', type(hidden))}")
-    if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"topk_weights must be float32, bfloat16 or float16, got {topk_weights.dtype}")
-    check_moe_args(hidden, topk_weights, topk_ids, w13, w2)
-    if w13.shape[-1] % MXFP8_BLOCK or w2.shape[-1] % MXFP8_BLOCK:
-        raise ValueError(f"H and I must be multiples of {MXFP8_BLOCK}, got w13 {tuple(w13.shape)}")
-    if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise ValueError(f"hidden is on {hidden.device}: the kernels need CUDA tensors (or Triton's interpreter)")
-    for name, tensor in (("hidden", hidden), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
-        if tensor.device != hidden.device:
-            raise ValueError(f"{name} is on {tensor.device}, hidden is on {hidden.device}")
-
-
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes (powers of two, multiples of 32 for the reduction chunks); defaults from docs/perf.md.
-    pair_min_expert_pairs: "auto" takes the expert schedule from this many pairs (T * k) on."""
+    """Tile sizes (powers of two, multiples of 32 for the reduction chunks); `tiles_for` picks them per T from
+    the H200 measurements in docs/perf.md. pair_min_expert_pairs: "auto" takes the expert schedule from this
+    many pairs (T * k) on. pdl: launch the later kernels with programmatic dependent launch, so their CTAs start
+    and load weights while the previous kernel drains (measured to help only when gate_up is a single wave)."""
 
-    pair_bn: int = 8
-    pair_bk: int = 512
+    pair_bn: int = 2
+    pair_bk: int = 2048
     pair_down_rows: int = 32
     pair_down_bk: int = 256
-    pair_warps: int = 4
+    pair_warps: int = 2
     expert_bn: int = 32
     expert_bh: int = 64
     expert_bk: int = 128
     expert_warps: int = 4
     expert_stages: int = 1
     pair_min_expert_pairs: int = 256
+    pdl: bool = False
+
+
+# Triton's interpreter costs milliseconds per program, whatever its size: the fewest, largest tiles.
+INTERPRETER_TILES = Tiles(pair_bn=64, pair_bk=128, pair_down_rows=128, pair_down_bk=128, expert_bn=64, expert_bh=64,
+                          expert_bk=128)
+
+
+def tiles_for(num_tokens: int) -> Tiles:
+    """The tiles measured fastest at this T (docs/perf.md, version 5): a whole row of H per program (no
+    loop-carried load latency), more programs at T = 1, where gate_up is one wave and PDL overlaps the down
+    launch with its tail."""
+    if triton.knobs.runtime.interpret:
+        return INTERPRETER_TILES
+    if num_tokens == 1:
+        return Tiles(pair_bn=4, pair_warps=8, pdl=True)
+    if num_tokens < 4:
+        return Tiles(pair_warps=4)
+    return Tiles()
 
 
 def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
-                    schedule: str = "auto", tiles: Tiles = Tiles(), out: torch.Tensor | None = None) -> torch.Tensor:
+                    schedule: str = "auto", tiles: Tiles | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a decode batch, [T, H] bf16, written to `out` if given. `schedule`: "auto",
-    "pair", "expert_gate_up" (expert-grouped gate_up, pair down) or "expert" (both grouped, plus combine)."""
-    _check_args(hidden, topk_weights, topk_ids, w13, w2)
+    "pair", "expert_gate_up" (expert-grouped gate_up, pair down) or "expert" (both grouped, plus combine);
+    `tiles`: None for `tiles_for(T)`."""
+    check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
     if schedule not in ("auto", "pair", "expert_gate_up", "expert"):
         raise ValueError(f"schedule must be auto, pair, expert_gate_up or expert, got {schedule!r}")
-    d13, s13, mx13 = _weight_parts(w13, "w13", hidden.device)
-    d2, s2, mx2 = _weight_parts(w2, "w2", hidden.device)
+    d13, s13, mx13 = weight_parts(w13, "w13", hidden.device)
+    d2, s2, mx2 = weight_parts(w2, "w2", hidden.device)
     if mx13 != mx2:
         raise TypeError("w13 and w2 must both be MXFP8Tensor or both bfloat16")
     (T, H), k, E, I = hidden.shape, topk_ids.shape[1], w13.shape[0], w2.shape[-1]
     P = T * k
+    tiles = tiles_for(T) if tiles is None else tiles
     if schedule == "auto":
         schedule = "pair" if P < tiles.pair_min_expert_pairs else "expert"
     out = torch.empty_like(hidden) if out is None else out
@@ -307,24 +309,28 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     leaders = P if by_pair else E
     pp = triton.next_power_of_2(max(P, 16))
     kp = triton.next_power_of_2(k)
+    # Programmatic dependent launch (sm_90) is inline PTX that Triton's interpreter cannot run; it changes
+    # when the later launches start, never what they compute.
+    hints = dict(PDL=tiles.pdl and not triton.knobs.runtime.interpret)
+    later = dict(launch_pdl=True) if hints["PDL"] else {}
     if schedule == "pair":
         _gate_up_pair_kernel[(triton.cdiv(I, tiles.pair_bn), P)](
             hidden, topk_ids, topk_weights, d13, s13, act, H, I, K_TOP=k, IS_MX=mx13, BN=tiles.pair_bn,
-            BK=tiles.pair_bk, num_warps=tiles.pair_warps)
+            BK=tiles.pair_bk, num_warps=tiles.pair_warps, **hints)
     else:
         _gate_up_expert_kernel[(triton.cdiv(I, tiles.expert_bn), leaders)](
             hidden, topk_ids, topk_weights, d13, s13, act, P, H, I, K_TOP=k, IS_MX=mx13, BY_PAIR=by_pair,
             PP=pp, TB=_PAIR_TILE, BN=tiles.expert_bn, BK=tiles.expert_bk, num_warps=tiles.expert_warps,
-            num_stages=tiles.expert_stages)
+            num_stages=tiles.expert_stages, **hints)
     if schedule != "expert":
         bh = max(1, tiles.pair_down_rows // kp)
         _down_token_kernel[(triton.cdiv(H, bh), T)](
             act, topk_ids, d2, s2, out, H, I, K_TOP=k, KP=kp, IS_MX=mx2, BH=bh, BK=tiles.pair_down_bk,
-            num_warps=tiles.pair_warps)
+            num_warps=tiles.pair_warps, **hints, **later)
         return out
     part = torch.empty((P, H), dtype=torch.float32, device=hidden.device)
     _down_expert_kernel[(triton.cdiv(H, tiles.expert_bh), leaders)](
         act, topk_ids, d2, s2, part, P, H, I, IS_MX=mx2, BY_PAIR=by_pair, PP=pp, TB=_PAIR_TILE, BH=tiles.expert_bh,
-        BK=tiles.expert_bk, num_warps=tiles.expert_warps, num_stages=tiles.expert_stages)
-    _combine_kernel[(triton.cdiv(H, 256), T)](part, out, H, K_TOP=k, KP=kp, BH=256, num_warps=4)
+        BK=tiles.expert_bk, num_warps=tiles.expert_warps, num_stages=tiles.expert_stages, **hints, **later)
+    moe_combine(part, out, k, pdl=hints["PDL"])
     return out

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from kernels import MXFP8Tensor, moe_reference, mxfp8_quantize
-from kernels.warp_decode_moe import Tiles, warp_decode_moe
+from kernels.moe_combine import moe_combine, moe_combine_reference
+from kernels.warp_decode_moe import INTERPRETER_TILES, warp_decode_moe
 
 SCHEDULES = ("pair", "expert_gate_up", "expert")
-# Larger pair tiles than the GPU defaults: the interpreter's cost is per program.
-CPU_TILES = Tiles(pair_bn=64, pair_down_rows=128, pair_bk=128, pair_down_bk=128, expert_bn=64, expert_bh=64,
-                  expert_bk=128)
+# Larger pair tiles than the GPU's: the interpreter's cost is per program.
+CPU_TILES = INTERPRETER_TILES
 # The tiny cases run on the GPU too when there is one (no interpreter there).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -129,3 +129,19 @@ def test_gpu_qwen3_30b_shape(T, mx):
         assert torch.equal(out, _run(args, schedule=schedule)), "not deterministic"
         _, rel, rel_bf16 = _errors(args, out)
         assert rel <= 3e-3 and rel <= 0.7 * rel_bf16, (schedule, rel, rel_bf16)
+
+
+@pytest.mark.parametrize("T,k,H", [(5, 3, 96), (1, 8, 2048), (7, 1, 160)])
+def test_combine_sums_each_tokens_rows(T, k, H):
+    part = torch.randn(T * k, H, generator=torch.Generator().manual_seed(T * k + H)).to(DEVICE)
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = moe_combine(part, out, k).float()
+    ref = part.view(T, k, H).double().sum(1)
+    # One BF16 ulp: the interpreter truncates to BF16 where the GPU rounds.
+    assert ((got - ref).abs() <= torch.finfo(torch.bfloat16).eps * ref.abs() + 1e-6).all()
+    assert torch.equal(moe_combine_reference(part, k).float(), got) or DEVICE == "cpu"
+
+
+def test_combine_names_a_bad_buffer():
+    with pytest.raises(ValueError, match="part"):
+        moe_combine(torch.zeros(5, 64, device=DEVICE), torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE), 3)
