@@ -1,13 +1,20 @@
-"""Benchmark the warp-decode MoE kernels on the GPU (H200): µs per layer, bytes, TB/s, % of read ceiling, accuracy.
+"""Benchmark the MoE kernel paths on the GPU (H200): µs per layer, bytes, TB/s, TFLOP/s, % of roofline, accuracy.
 
-Each path runs as CUDA-graph replays over --layers layers with distinct weights (8 layers of Qwen3-30B-A3B
-MXFP8 experts are 5 GB, far over the 60 MB L2), uniform random routing, random inputs (never zeros). The read
-ceiling is a streaming read of a 4 GB buffer measured in the same run. Unique bytes per layer = experts touched
-x bytes per expert (MXFP8 incl. scales, or BF16) + hidden in and out. Accuracy: relative Frobenius error on
-layer 0 against moe_reference in FP32 on the same dequantized weights ("same") and on the original BF16
-weights before quantization ("orig"). vLLM fused_moe numbers are quoted from docs (not measured here).
+Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`, `expert`
+(kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
+tuned tiles); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
+above); `expert_centric_f16` (its dequant "f16_rel": FP16 dots, kernels/mx_tiles.py); `expert_centric_act_mxfp8`
+(activations quantized to MXFP8, an accuracy comparison: it syncs with the host, so it is timed eagerly). Each path
+runs as CUDA-graph replays over --layers layers with distinct weights (8 layers of Qwen3-30B-A3B MXFP8 experts are 5
+GB, far over the 60 MB L2), uniform random routing, random inputs (never zeros). Ceilings measured in the same run:
+a streaming read of a 4 GB buffer (TB/s) and a BF16 8192^3 torch.matmul (TFLOP/s). Unique bytes per layer = experts
+touched x bytes per expert (MXFP8 incl. scales, or BF16) + hidden in and out; useful FLOPs = 2 x 3 x H x I per
+(token, expert) pair; roofline fraction = max(FLOPs / matmul rate, bytes / read ceiling) / time. --prefill adds T =
+256 .. 8192 (warp decode's schedules stop at --warp-max-tokens: they are decode kernels). Accuracy: relative
+Frobenius error on layer 0 against moe_reference in FP32 on the same dequantized weights ("same") and on the
+original BF16 weights before quantization ("orig"). vLLM fused_moe numbers are quoted from docs (not measured here).
 
-Usage: PYTHONPATH=. python3 jobs/bench_moe.py --out DIR
+Usage: PYTHONPATH=. python3 jobs/bench_moe.py --out DIR [--prefill] [--paths auto,expert_centric,kernel_auto]
 (prints a table, ends with one JSON line, writes DIR/bench_moe.png and DIR/bench_moe.json)
 """
 
@@ -20,13 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import moe_reference, mxfp8_quantize
+from kernels import auto_moe, expert_centric_moe, moe_reference, mxfp8_quantize
 from kernels.warp_decode_moe import Tiles, warp_decode_moe
 
 SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, k=8), "qwen3-235b-a22b": dict(H=4096, I=1536, E=128, k=8)}
 # Quoted from /work/shared/docs/background.md (vLLM Triton fused_moe, faster of BF16/FP8, H200, 30B shape).
 VLLM_QUOTED_US = {1: 29.1, 2: 38.2, 4: 50.9, 8: 92.3, 16: 120.5, 32: 160.4, 64: 188.5, 128: 200.2}
 TARGET_US = {1: 17.4, 2: 23.6, 4: 45.3, 8: 80.7, 16: 112.0, 32: 152.0, 64: 171.0}
+PREFILL_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+WARP_SCHEDULES = ("auto", "pair", "expert_gate_up", "expert")
 
 
 @triton.jit
@@ -78,6 +87,12 @@ def read_ceiling_tbs():
     return n * 4 / us / 1e6
 
 
+def bf16_matmul_tflops(n=8192):
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    return 2 * n**3 / time_graph(lambda: torch.matmul(a, b, out=c), 10) / 1e6
+
+
 def make_layers(H, I, E, layers, keep_bf16):
     """MXFP8 weights for every layer; BF16 originals for the first `keep_bf16` layers."""
     mx, bf = [], []
@@ -112,7 +127,24 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_shape(name, shape, tokens, layers, reps, paths, sweep):
+def path(name, tiles=None):
+    """(row label, fn(hidden, topk_weights, topk_ids, w13, w2) -> [T, H], CUDA-graph capturable) for --paths."""
+    if name in WARP_SCHEDULES:
+        kw = dict(schedule=name) if tiles is None else dict(schedule=name, tiles=tiles)
+        return f"warp:{name}", lambda *args: warp_decode_moe(*args, **kw), True
+    if name == "expert_centric":
+        return "expert_centric", expert_centric_moe, True
+    if name == "expert_centric_f16":  # FP16 dots on relative operands (kernels/mx_tiles.py), its own tuned table
+        return "expert_centric:f16_rel", lambda *args: expert_centric_moe(*args, dequant="f16_rel"), True
+    if name == "expert_centric_act_mxfp8":
+        return "expert_centric:act_mxfp8(eager)", lambda *args: expert_centric_moe(*args, act_dtype="mxfp8"), False
+    if name == "kernel_auto":
+        return "kernel:auto", auto_moe, True
+    raise ValueError(f"unknown path {name!r}: choose from {', '.join(WARP_SCHEDULES)}, expert_centric, "
+                     "expert_centric_f16, expert_centric_act_mxfp8, kernel_auto")
+
+
+def bench_shape(name, shape, tokens, layers, reps, paths, sweep, warp_max_tokens):
     H, I, E, k = shape["H"], shape["I"], shape["E"], shape["k"]
     keep_bf16 = layers if name == "qwen3-30b-a3b" else 1
     mx, bf = make_layers(H, I, E, layers, keep_bf16)
@@ -125,69 +157,75 @@ def bench_shape(name, shape, tokens, layers, reps, paths, sweep):
         # FP32 hidden in, so the references' outputs are not rounded to BF16.
         ref_same = moe_reference(h0.float(), w0, i0, *mx[0], compute_dtype=torch.float32)
         ref_orig = moe_reference(h0.float(), w0, i0, *bf[0], compute_dtype=torch.float32)
-        ref_bf16w = ref_orig
-        runs = [(p, "mxfp8", dict(schedule=p)) for p in paths]
-        if len(bf) == layers:
-            runs.append(("auto", "bf16", dict(schedule="auto")))
+        names = [p for p in paths if p not in WARP_SCHEDULES or T <= warp_max_tokens]
+        runs = [(*path(p), "mxfp8", False) for p in names]
+        if len(bf) == layers:  # BF16 weights: the same bytes model at 2 bytes per weight
+            runs += [(*path(p), "bf16", False) for p in ("auto", "expert_centric") if p in names]
         if T in sweep:
-            runs += [(f"{p}:{tag}", "mxfp8", dict(schedule=p, tiles=t)) for tag, (p, t) in sweep[T].items()]
-        for path, wtype, kw in runs:
+            runs += [(f"warp:{p}:{tag}", *path(p, t)[1:], "mxfp8", True) for tag, (p, t) in sweep[T].items()]
+        for label, fn, capturable, wtype, variant in runs:
             ws = mx if wtype == "mxfp8" else bf
             try:
-                def layers_call(ws=ws, kw=kw, inputs=inputs):
-                    return [warp_decode_moe(h, w, i, *ws[l], **kw) for l, (h, w, i) in enumerate(inputs)]
+                def layers_call(ws=ws, fn=fn, inputs=inputs):
+                    return [fn(h, w, i, *ws[l]) for l, (h, w, i) in enumerate(inputs)]
 
-                us = time_graph(layers_call, reps) / layers
-                out = warp_decode_moe(h0, w0, i0, *ws[0], **kw)
-                err_same = rel_err(out, ref_same if wtype == "mxfp8" else ref_bf16w)
+                timer = time_graph if capturable else time_eager
+                us = timer(layers_call, reps if capturable else max(3, reps // 4)) / layers
+                out = fn(h0, w0, i0, *ws[0])
+                err_same = rel_err(out, ref_same if wtype == "mxfp8" else ref_orig)
                 err_orig = rel_err(out, ref_orig)
             except Exception as exc:  # a failing variant is reported, the rest still run
-                print(f"FAILED {name} T={T} {path} {wtype}: {exc!r}", flush=True)
+                print(f"FAILED {name} T={T} {label} {wtype}: {exc!r}", flush=True)
                 continue
-            rows.append(row(name, T, f"warp:{path}", wtype, us, touched, per_expert[wtype], H, err_same, err_orig))
+            rows.append(row(name, T, label, wtype, us, touched, per_expert[wtype], shape, err_same, err_orig,
+                            variant))
         wtype, ws = ("bf16", bf) if len(bf) == layers else ("mxfp8", mx)
         us = time_eager(lambda ws=ws, inputs=inputs: [moe_reference(h, w, i, *ws[l], compute_dtype=torch.bfloat16)
                                                       for l, (h, w, i) in enumerate(inputs)], max(3, reps // 4))
         us /= layers
         out = moe_reference(h0, w0, i0, *ws[0], compute_dtype=torch.bfloat16)
-        rows.append(row(name, T, "torch-ref-bf16(eager)", wtype, us, touched, per_expert[wtype], H,
-                        rel_err(out, ref_same if wtype == "mxfp8" else ref_bf16w), rel_err(out, ref_orig)))
-        print_rows(rows[-(len(runs) + 1):])
+        rows.append(row(name, T, "torch-ref-bf16(eager)", wtype, us, touched, per_expert[wtype], shape,
+                        rel_err(out, ref_same if wtype == "mxfp8" else ref_orig), rel_err(out, ref_orig), False))
+        print_rows([r for r in rows if r["shape"] == name and r["T"] == T])
+        del inputs
     del mx, bf
     torch.cuda.empty_cache()
     return rows
 
 
-def row(shape, T, path, wtype, us, touched, per_expert, H, err_same, err_orig):
-    nbytes = touched * per_expert + 2 * T * H * 2
+def row(shape, T, path, wtype, us, touched, per_expert, dims, err_same, err_orig, variant):
+    nbytes = touched * per_expert + 2 * T * dims["H"] * 2
+    flops = 2 * 3 * dims["H"] * dims["I"] * T * dims["k"]
     return dict(shape=shape, T=T, path=path, weights=wtype, us=round(us, 2), experts=round(touched, 1),
-                mb=round(nbytes / 1e6, 1), tbs=round(nbytes / us / 1e6, 3), err_same=float(f"{err_same:.3g}"),
-                err_orig=float(f"{err_orig:.3g}"))
+                mb=round(nbytes / 1e6, 1), tbs=round(nbytes / us / 1e6, 3), gflop=round(flops / 1e9, 2),
+                tflops=round(flops / us / 1e6, 1), err_same=float(f"{err_same:.3g}"), err_orig=float(f"{err_orig:.3g}"),
+                variant=variant)
 
 
 def print_rows(rows):
     for r in rows:
-        pct = format(r["pct"], "5.1f") if "pct" in r else "    -"  # the fraction is filled in once all rows ran
+        # The fractions are filled in once every row ran (they need the ceilings).
+        pct = format(r["pct"], "5.1f") if "pct" in r else "    -"
+        roof = format(r["roofline_pct"], "5.1f") if "roofline_pct" in r else "    -"
         print(f"{r['shape']:16s} T={r['T']:4d} {r['path']:34s} {r['weights']:6s} {r['us']:9.1f} us "
-              f"{r['mb']:8.1f} MB {r['tbs']:6.3f} TB/s {pct}% err_same {r['err_same']:.2e} "
-              f"err_orig {r['err_orig']:.2e}", flush=True)
+              f"{r['mb']:8.1f} MB {r['tbs']:6.3f} TB/s {pct}% {r['tflops']:6.1f} TFLOP/s {roof}% roof "
+              f"err_same {r['err_same']:.2e} err_orig {r['err_orig']:.2e}", flush=True)
 
 
-def plot(rows, out_dir, ceiling):
+def plot(rows, out_dir, ceiling, tflops):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    for col, shape in enumerate(SHAPES):
+    shapes = sorted({r["shape"] for r in rows}, key=list(SHAPES).index)
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 9), squeeze=False)
+    for col, shape in enumerate(shapes):
         series = {}
         for r in rows:
-            if r["shape"] == shape:
-                series.setdefault(f"{r['path']} {r['weights']}", []).append((r["T"], r["us"], r["pct"]))
+            if r["shape"] == shape and not r["variant"]:
+                series.setdefault(f"{r['path']} {r['weights']}", []).append((r["T"], r["us"], r["roofline_pct"]))
         for label, pts in series.items():
-            if ":" in label.split()[0][5:]:
-                continue
             pts.sort()
             axes[0][col].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
             axes[1][col].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
@@ -196,49 +234,76 @@ def plot(rows, out_dir, ceiling):
             axes[0][col].plot(ts, [VLLM_QUOTED_US[t] for t in ts], "k--", label="vLLM fused_moe (quoted)")
             axes[0][col].plot(sorted(TARGET_US), [TARGET_US[t] for t in sorted(TARGET_US)], "r:", label="target")
         axes[0][col].set(title=f"{shape}: µs per layer", xscale="log", yscale="log", xlabel="T")
-        axes[1][col].set(title=f"% of read ceiling ({ceiling:.2f} TB/s)", xscale="log", xlabel="T", ylim=(0, 100))
+        axes[1][col].set(title=f"% of roofline (read {ceiling:.2f} TB/s, BF16 matmul {tflops:.0f} TFLOP/s)",
+                         xscale="log", xlabel="T", ylim=(0, 100))
         axes[0][col].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench_moe.png"), dpi=110)
+
+
+def summary(rows, ceiling, tflops):
+    """The one JSON line: per-T µs of the main 30B MXFP8 paths and the issue targets they meet."""
+    def us(label):
+        return {r["T"]: r["us"] for r in rows if r["shape"] == "qwen3-30b-a3b" and r["path"] == label
+                and r["weights"] == "mxfp8"}
+
+    auto, ec, kauto = us("warp:auto"), us("expert_centric"), us("kernel:auto")
+    roof = {r["T"]: r["roofline_pct"] for r in rows if r["shape"] == "qwen3-30b-a3b" and r["weights"] == "mxfp8"
+            and r["path"] == "expert_centric" and r["T"] >= 1024}
+    best = {t: min(x[t] for x in (auto, ec) if t in x) for t in kauto if t in auto or t in ec}
+    return dict(bench="moe", ceiling_tbs=round(ceiling, 3), bf16_matmul_tflops=round(tflops, 1),
+                qwen3_30b_auto_us=auto, targets_met={t: auto[t] <= TARGET_US[t] for t in TARGET_US if t in auto},
+                expert_centric_us=ec, kernel_auto_us=kauto,
+                expert_centric_vs_vllm={t: ec[t] <= VLLM_QUOTED_US[t] for t in VLLM_QUOTED_US if t in ec},
+                expert_centric_prefill_roofline_pct=roof, prefill_target_met={t: p >= 50 for t, p in roof.items()},
+                kernel_auto_within_5pct={t: kauto[t] <= 1.05 * best[t] for t in best})
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--prefill", action="store_true", help=f"also T = {PREFILL_TOKENS}")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--paths", default="auto,pair,expert_gate_up,expert")
+    parser.add_argument("--warp-max-tokens", type=int, default=1024, help="largest T for warp decode's schedules")
     parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    for p in args.paths.split(","):
+        path(p)  # an unknown name fails here, before the minutes of set-up
     ceiling = read_ceiling_tbs()
     print(f"read ceiling {ceiling:.3f} TB/s (streaming read, 4 GiB, CUDA graph, median)", flush=True)
+    tflops = bf16_matmul_tflops()
+    print(f"BF16 matmul {tflops:.1f} TFLOP/s (torch.matmul 8192^3, CUDA graph, median)", flush=True)
     sweep = {} if args.no_sweep else {
         t: {"bn16bk256": ("pair", Tiles(pair_bn=16, pair_bk=256)),
             "bn4bk1024": ("pair", Tiles(pair_bn=4, pair_bk=1024)),
             "down_bk128": ("pair", Tiles(pair_down_bk=128))} for t in (1, 4)}
     sweep.update({t: {"stages2": ("expert", Tiles(expert_stages=2)), "bk64": ("expert", Tiles(expert_bk=64)),
                       "bn64bh32": ("expert", Tiles(expert_bn=64, expert_bh=32))} for t in (16, 64)})
+    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens += [t for t in PREFILL_TOKENS if args.prefill and t not in tokens]
     rows = []
     for name in args.shapes.split(","):
-        tokens = [int(t) for t in args.tokens.split(",")]
         small = name == "qwen3-30b-a3b"
         paths = [p for p in args.paths.split(",") if small or p != "expert_gate_up"]
-        rows += bench_shape(name, SHAPES[name], tokens, args.layers, args.reps, paths, sweep if small else {})
+        rows += bench_shape(name, SHAPES[name], tokens, args.layers, args.reps, paths, sweep if small else {},
+                            args.warp_max_tokens)
     for r in rows:
         r["pct"] = round(100 * r["tbs"] / ceiling, 1)
-    print("\nshape            T    path                               weights    µs/layer   unique MB   TB/s  %ceil")
+        bound_us = max(r["gflop"] * 1e3 / tflops, r["mb"] / ceiling)  # GFLOP / (TFLOP/s) = ms; MB / (TB/s) = µs
+        r["roofline_pct"] = round(100 * bound_us / r["us"], 1)
+    print("\nshape            T    path                               weights    µs/layer   unique MB   TB/s  %ceil"
+          "  TFLOP/s  %roofline")
     print_rows(rows)
     print("\nvLLM fused_moe (quoted from background.md, not measured here), 30B shape, µs/layer:", VLLM_QUOTED_US)
-    plot(rows, args.out, ceiling)
+    plot(rows, args.out, ceiling, tflops)
     with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
-        json.dump(dict(ceiling_tbs=ceiling, rows=rows, vllm_quoted_us=VLLM_QUOTED_US), f)
-    auto = {r["T"]: r["us"] for r in rows if r["shape"] == "qwen3-30b-a3b" and r["path"] == "warp:auto"
-            and r["weights"] == "mxfp8"}
-    print(json.dumps(dict(bench="moe", ceiling_tbs=round(ceiling, 3), qwen3_30b_auto_us=auto,
-                          targets_met={t: auto[t] <= TARGET_US[t] for t in TARGET_US if t in auto})))
+        json.dump(dict(ceiling_tbs=ceiling, bf16_matmul_tflops=tflops, rows=rows, vllm_quoted_us=VLLM_QUOTED_US), f)
+    print(json.dumps(summary(rows, ceiling, tflops)))
 
 
 if __name__ == "__main__":

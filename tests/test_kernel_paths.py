@@ -50,6 +50,31 @@ def test_warp_decode_path_refuses_fp32_instead_of_falling_back():
         engine("warp_decode", "bf16", dtype=torch.float32).generate([[3, 4, 5]], SamplingParams(max_tokens=1))
 
 
-def test_unbuilt_path_says_so():
-    with pytest.raises(NotImplementedError, match="expert_centric"):
-        engine("expert_centric", "bf16")
+@pytest.mark.parametrize("kernel", ["expert_centric", "auto"])
+def test_expert_centric_and_auto_paths_match_torch_path(kernel):
+    # MXFP8 experts, one prompt of 5 tokens, two samples of two tokens: the prefill (T = 5) runs expert-centric on
+    # both paths; the decode step (T = 2) runs warp decode on `auto` (no tuned table on CPU: crossover 2).
+    prompts = torch.randint(2, 512, (1, 5), generator=torch.Generator().manual_seed(11)).tolist()
+    ref, fast = engine("torch", "mxfp8"), engine(kernel, "mxfp8")
+    results = fast.generate(prompts, SamplingParams(temperature=0.9, max_tokens=2, n=2, seed=4))
+    assert len(results) == 2 and all(r.num_completion_tokens == 2 for r in results)
+    rows, completions = [prompts[r.prompt_index] for r in results], [r.token_ids for r in results]
+    got = torch.tensor([r.logprobs for r in results])
+    want = torch.tensor(ref.score(rows, completions, temperature=0.9))
+    assert (got - want).abs().max() < 0.05, (got - want).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["expert_centric", "auto"])
+def test_expert_centric_and_auto_paths_on_gpu(kernel):
+    prompts = torch.randint(2, 512, (3, 9), generator=torch.Generator().manual_seed(9)).tolist()
+    ref, fast = engine("torch", "mxfp8"), engine(kernel, "mxfp8")
+    results = fast.generate(prompts, SamplingParams(temperature=0.9, max_tokens=8, n=2, seed=4))
+    rows = [prompts[r.prompt_index] for r in results]
+    got = torch.tensor(ref.score(rows, [r.token_ids for r in results], temperature=0.9))
+    assert (got - torch.tensor([r.logprobs for r in results])).abs().max() < 0.05
+
+
+def test_unknown_path_says_so():
+    with pytest.raises(ValueError, match="bogus"):
+        engine("bogus", "bf16")

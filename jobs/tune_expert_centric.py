@@ -1,0 +1,184 @@
+"""Tune the expert-centric MoE's tiles on this GPU per T bucket, and measure where `auto` leaves warp decode.
+
+Qwen3-30B-A3B MoE shape (H 2048, I 768, E 128, k 8), MXFP8 experts, uniform random routing, each candidate timed
+as CUDA-graph replays over --layers layers of distinct weights (jobs/bench_moe.py's helpers; 8 layers are 5 GB,
+far over the 60 MB L2). Per T bucket: for each BLOCK_M near the mean rows per expert (T * k / E), every tile of a
+small grid (BLOCK_N 64/128, BLOCK_K 64/128, num_warps 4/8, num_stages 2-4, pruned to what fits: 4 warps only for
+accumulators of at most 4096 FP32 elements, 8 only from 4096 on, as compiling for sm_90 showed spills beyond)
+for gate_up and for down, each kernel timed alone; the BLOCK_M with the fastest pair wins. Then the whole path
+with the winners, its relative error against the FP32 reference, and warp decode (its auto schedule) at the same
+T. crossover_tokens = the largest bucket up to which warp decode is faster at every bucket (warp decode stops
+being measured once expert-centric has won twice in a row). A candidate that fails (compile, shared memory) is
+printed and skipped. About 3 minutes on an H200 (much of it compiling the 80 kernel variants).
+
+--dequant f16_rel tunes that variant of the GEMMs (FP16 dots, kernels/mx_tiles.py) into its own table,
+expert_centric_<gpu>_f16_rel.json (same format, no crossover: `auto` keeps the BF16 table's), and skips warp
+decode. --quick keeps one num_stages per tile (3), halving the grid, for a short check of a variant.
+
+Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel] [--quick]
+writes DIR/expert_centric_<gpu>[_f16_rel].json (default kernels/configs/, where the launcher reads it), prints a
+table.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import time
+
+import torch
+import triton
+
+from jobs.bench_moe import make_inputs, make_layers, rel_err, time_graph
+from kernels import moe_reference
+from kernels.expert_centric_moe import (
+    CONFIG_DIR,
+    ExpertCentricConfig,
+    GemmConfig,
+    device_key,
+    expert_centric_moe,
+    shape_key,
+    table_name,
+)
+from kernels.moe_align import moe_align
+from kernels.moe_down import moe_down
+from kernels.moe_gate_up import moe_gate_up
+from kernels.warp_decode_moe import warp_decode_moe
+
+SHAPE = dict(H=2048, I=768, E=128, k=8)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def block_ms(T: int, k: int, E: int) -> tuple[int, ...]:
+    rows = T * k / E
+    return (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 64 else (64, 128)
+
+
+def candidates(kernel: str, block_m: int, quick: bool = False) -> list[GemmConfig]:
+    out = []
+    for bn in (64, 128):
+        acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
+        for bk in (64, 128):
+            for warps in (4, 8):
+                if (warps == 4 and acc > 4096) or (warps == 8 and acc < 4096):
+                    continue
+                # BLOCK_K 64 loads 2-byte scale runs, which cp.async cannot pipeline: more stages hide their latency.
+                stages = (3,) if quick else (3, 4) if bk == 64 else (2, 3)
+                out += [GemmConfig(bn, bk, warps, st) for st in stages]
+    return out
+
+
+def best(label, configs, call, reps):
+    """(µs of one replay over all layers, config) of the fastest candidate; `call(cfg)` runs every layer once."""
+    timed = []
+    for cfg in configs:
+        try:
+            timed.append((time_graph(lambda cfg=cfg: call(cfg), reps), cfg))
+        except Exception as exc:  # a failing candidate is reported and skipped
+            print(f"  FAILED {label} {short(cfg)}: {str(exc).splitlines()[0][:200]}", flush=True)
+    if not timed:
+        raise RuntimeError(f"every {label} candidate failed")
+    return min(timed, key=lambda x: x[0])
+
+
+def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False):
+    H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
+    inputs = make_inputs(T, H, E, k, layers, seed=T)
+    device = inputs[0][0].device
+    part = torch.empty(T * k, H, dtype=torch.float32, device=device)
+    results = []
+    for bm in block_ms(T, k, E):
+        aligned = [moe_align(ids, E, bm) for _, _, ids in inputs]
+        acts = [torch.zeros(s.shape[0], I, dtype=torch.bfloat16, device=device) for s, _ in aligned]
+
+        def gate_up(cfg, bm=bm, aligned=aligned, acts=acts):
+            for (h, _, _), (s, b), w, act in zip(inputs, aligned, mx, acts, strict=True):
+                moe_gate_up(h, s, b, w[0], act, num_pairs=T * k, top_k=k, block_m=bm, block_n=cfg.block_n,
+                            block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, dequant=dequant)
+
+        def down(cfg, bm=bm, aligned=aligned, acts=acts):
+            for (_, wts, _), (s, b), w, act in zip(inputs, aligned, mx, acts, strict=True):
+                moe_down(act, s, b, wts, w[1], part, block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, dequant=dequant)
+
+        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick), gate_up, reps)
+        gate_up(gu)  # real act values for down
+        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick), down, reps)
+        print(f"  T={T} block_m={bm}: gate_up {gu_us / layers:.1f} µs ({short(gu)}), down {dn_us / layers:.1f} µs "
+              f"({short(dn)})", flush=True)
+        results.append((gu_us + dn_us, ExpertCentricConfig(bm, gu, dn)))
+    cfg = min(results, key=lambda x: x[0])[1]
+    outs = [torch.empty_like(h) for h, _, _ in inputs]
+    ec_us = time_graph(lambda: [expert_centric_moe(*inp, *w, config=cfg, dequant=dequant, out=o)
+                                for inp, w, o in zip(inputs, mx, outs, strict=True)], reps) / layers
+    h0, w0, i0 = inputs[0]
+    err = rel_err(outs[0], moe_reference(h0.float(), w0, i0, *mx[0], compute_dtype=torch.float32))
+    return cfg, ec_us, err, inputs
+
+
+def short(cfg) -> str:
+    """'n128 k64 w8 s3' for a GemmConfig, 'm64 | gate_up ... | down ...' for an ExpertCentricConfig."""
+    if isinstance(cfg, GemmConfig):
+        return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return f"m{cfg.block_m} | gate_up {short(cfg.gate_up)} | down {short(cfg.down)}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=CONFIG_DIR)
+    parser.add_argument("--tokens", default=",".join(map(str, BUCKETS)))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=240, help="no new bucket is started after this many seconds")
+    parser.add_argument("--dequant", default="bf16", choices=("bf16", "f16_rel"))
+    parser.add_argument("--quick", action="store_true", help="one num_stages per tile: a short check of a variant")
+    args = parser.parse_args()
+    start = time.time()
+    H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
+    mx, _ = make_layers(H, I, E, args.layers, keep_bf16=0)
+    print(f"{args.layers} layers of MXFP8 weights ready in {time.time() - start:.1f} s", flush=True)
+    configs, measured, ec_wins = {}, {}, 0
+    for T in (int(t) for t in args.tokens.split(",")):
+        if time.time() - start > args.budget_s:
+            print(f"WARNING: over the {args.budget_s:.0f} s budget, T >= {T} not tuned (the launcher takes the nearest "
+                  "tuned bucket there)", flush=True)
+            break
+        cfg, ec_us, err, inputs = tune_bucket(T, mx, args.layers, args.reps, args.dequant, args.quick)
+        row = dict(expert_centric_us=round(ec_us, 2), rel_err=float(f"{err:.3g}"))
+        if ec_wins < 2 and args.dequant == "bf16":  # the crossover belongs to the BF16 table
+            outs = [torch.empty_like(h) for h, _, _ in inputs]
+            row["warp_decode_us"] = round(time_graph(lambda inputs=inputs, outs=outs: [
+                warp_decode_moe(*inp, *w, out=o) for inp, w, o in zip(inputs, mx, outs, strict=True)],
+                args.reps) / args.layers, 2)
+            ec_wins = ec_wins + 1 if ec_us < row["warp_decode_us"] else 0
+        configs[str(T)], measured[str(T)] = dataclasses.asdict(cfg), row
+        print(f"T={T:5d} {short(cfg):50s} expert_centric {ec_us:8.1f} µs  warp_decode "
+              f"{row.get('warp_decode_us', '-')} µs  rel_err {err:.2e}  ({time.time() - start:.0f} s)", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    crossover = 0
+    for T in sorted(measured, key=int):
+        if measured[T].get("warp_decode_us", float("inf")) > measured[T]["expert_centric_us"]:
+            break
+        crossover = int(T)
+    device = torch.cuda.get_device_name()
+    table = dict(device=device, triton=triton.__version__, torch=torch.__version__,
+                 date=datetime.date.today().isoformat(), tool="jobs/tune_expert_centric.py",
+                 note="µs per layer, CUDA-graph replays over 8 layers of MXFP8 experts, uniform random routing",
+                 dequant=args.dequant, shapes={shape_key(E, H, I, k): dict(weights="mxfp8", configs=configs,
+                                                                           measured=measured)})
+    if args.dequant == "bf16":
+        table["shapes"][shape_key(E, H, I, k)]["crossover_tokens"] = crossover
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, table_name(device_key(torch.device("cuda")), args.dequant))
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    print(json.dumps(dict(tune="expert_centric", dequant=args.dequant, device=device, crossover_tokens=crossover,
+                          path=path,
+                          seconds=round(time.time() - start, 1),
+                          us={T: (m["expert_centric_us"], m.get("warp_decode_us")) for T, m in measured.items()})))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Expert-centric MoE (the classical route) for prefill and large decode batches, and `auto`, which picks per T.
+
+Shapes: T tokens, H hidden, I intermediate, E experts, k routed experts per token, P = T * k (token, expert) pairs
+(pair p = t * k + j), S row slots = P + padding (kernels/moe_align.py), BLOCK_M rows per GEMM block.
+Layout (as kernels/warp_decode_moe.py, whose argument checks this path shares):
+    hidden [T, H] bf16   topk_ids [T, k] int32/64   topk_weights [T, k] float
+    w13 [E, 2I, H] (gate rows, then up rows)   w2 [E, H, I]   BF16, or MXFP8Tensor (data fp8 e4m3 of that shape,
+        scales uint8 E8M0 [..., in / 32])
+    sorted_ids [S] int32, block_expert [S / BLOCK_M] int32   act [S, I] bf16   part [P, H] fp32   out [T, H] bf16
+Four launches: align (sort pairs by expert, pad each expert to BLOCK_M rows), gate_up (grouped GEMM, SiLU(gate) *
+up fused), down (grouped GEMM, routing weight applied), combine (each token's k rows of `part` summed in a fixed
+order: deterministic, no atomics). No host sync and fixed buffer sizes (the worst case over routings), so a
+layer captures in a CUDA graph. Tensor-core GEMMs (tl.dot, BF16 operands, FP32 accumulate) with MXFP8 weights
+dequantized in the prologue; under Triton's interpreter (CPU tests) the dots run in FP32 instead.
+Bytes: each touched expert once (3 * H * I * (1 + 1/32) in MXFP8), hidden 2 * T * H, act 2 * 2 * S * I,
+part 2 * 4 * P * H, out 2 * T * H. FLOPs: 2 * 3 * H * I per pair (useful; padding rows add up to
+E * (BLOCK_M - 1) rows).
+
+act_dtype "mxfp8" quantizes hidden and act to MXFP8 per 32 elements with the host quantizer
+(kernels/mxfp8.py), as the classical MXFP8 GEMMs on Blackwell take their activations: an accuracy comparison,
+not a fast path (the quantizer checks for non-finite values, a host sync, so it does not capture in a graph).
+
+dequant "f16_rel" (MXFP8 weights only) runs both GEMMs' dots in FP16 on chunk-relative operands instead of BF16
+(kernels/mx_tiles.py: cheaper MXFP8 dequantization, exact within the bounds documented there); "bf16" stays the
+default until measured on the GPU.
+
+Tile sizes per T come from a table tuned on the GPU by jobs/tune_expert_centric.py (kernels/configs/
+expert_centric_<device>.json, per shape and T bucket, as vLLM keeps its fused_moe configs), else from
+`default_config`. The same file holds the measured crossover T at which `auto` leaves warp decode. The f16_rel
+variant's tiles are tuned into expert_centric_<device>_f16_rel.json (same format); without it, it takes the
+BF16 table's tiles.
+"""
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.moe_align import moe_align
+from kernels.moe_combine import moe_combine
+from kernels.moe_down import moe_down
+from kernels.moe_gate_up import moe_gate_up
+from kernels.moe_reference import check_kernel_args, check_tensor, weight_parts
+from kernels.mx_tiles import DEQUANT_MODES
+from kernels.mxfp8 import mxfp8_quantize
+from kernels.warp_decode_moe import warp_decode_moe
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+# `auto` on a shape or device with no measured crossover: warp decode for T <= 2. From docs/perf.md run 3 and
+# vLLM's fused_moe quoted in background.md: warp decode 37.4 µs vs 38.2 at T = 2, 61.4 vs 50.9 at T = 4.
+DEFAULT_CROSSOVER_TOKENS = 2
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        # tl.dot needs every dimension >= 16; tiles load as [block_k / 32, 32] groups, a power of two of them.
+        if not (_pow2(self.block_n) and self.block_n >= 16):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if not (self.block_k % 32 == 0 and _pow2(self.block_k // 32)):
+            raise ValueError(f"block_k must be 32 times a power of two, got {self.block_k}")
+
+
+@dataclass(frozen=True)
+class ExpertCentricConfig:
+    """block_m: rows (pairs) per GEMM block, shared by both GEMMs since it sets the alignment; block_n: weight
+    rows per program (the MMA's M dimension); block_k: reduction step (a multiple of 32)."""
+
+    block_m: int = 64
+    gate_up: GemmConfig = field(default_factory=GemmConfig)
+    down: GemmConfig = field(default_factory=GemmConfig)
+
+    def __post_init__(self):
+        if not (_pow2(self.block_m) and self.block_m >= 16):
+            raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExpertCentricConfig":
+        return cls(d["block_m"], GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+
+
+def shape_key(E: int, H: int, I: int, k: int) -> str:
+    return f"E{E}_H{H}_I{I}_k{k}"
+
+
+def device_key(device: torch.device) -> str | None:
+    """'h200' for an "NVIDIA H200"; None off CUDA (the interpreter), where only defaults apply."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device).lower().removeprefix("nvidia").strip().replace(" ", "_")
+
+
+def table_name(device: str, dequant: str = "bf16") -> str:
+    """The tuned table's file name: expert_centric_h200.json, expert_centric_h200_f16_rel.json."""
+    return f"expert_centric_{device}{'' if dequant == 'bf16' else '_' + dequant}.json"
+
+
+@functools.cache
+def load_table(device: str | None, dequant: str = "bf16") -> dict:
+    """The tuned table for a device and dequant mode ({} when none was measured): {shape_key:
+    {"crossover_tokens": int, "configs": {T: config dict}}}."""
+    path = os.path.join(CONFIG_DIR, table_name(device, dequant))
+    if device is None or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)["shapes"]
+
+
+def default_config(T: int, E: int, k: int) -> ExpertCentricConfig:
+    """Untuned tiles: BLOCK_M the smallest of 16, 32, 64 that holds the mean rows per expert (T * k / E)."""
+    rows = T * k / E
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return ExpertCentricConfig(block_m)
+
+
+def tuned_config(T: int, E: int, H: int, I: int, k: int, device: torch.device,
+                 dequant: str = "bf16") -> ExpertCentricConfig:
+    """The table's entry for the nearest tuned T (on a log scale), else default_config. A dequant mode with no
+    table of its own takes the BF16 table's tiles (the same kernels' tiles, tuned for the other operand dtype)."""
+    key = shape_key(E, H, I, k)
+    configs = load_table(device_key(device), dequant).get(key, {}).get("configs")
+    if not configs and dequant != "bf16":
+        configs = load_table(device_key(device)).get(key, {}).get("configs")
+    if not configs:
+        return default_config(T, E, k)
+    nearest = min(configs, key=lambda t: abs(math.log2(int(t)) - math.log2(max(T, 1))))
+    return ExpertCentricConfig.from_dict(configs[nearest])
+
+
+def crossover_tokens(E: int, H: int, I: int, k: int, device: torch.device) -> int:
+    """The largest T at which `auto` runs warp decode: measured per shape on the device, else the default."""
+    entry = load_table(device_key(device)).get(shape_key(E, H, I, k), {})
+    return int(entry.get("crossover_tokens", DEFAULT_CROSSOVER_TOKENS))
+
+
+def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
+                       act_dtype: str = "bf16", dequant: str = "bf16", config: ExpertCentricConfig | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts of T tokens, [T, H] bf16, written to `out` if given; `config` None: tuned_config.
+    dequant: "bf16" or "f16_rel" (MXFP8 weights only), the GEMMs' dot operand dtype."""
+    check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
+    _, _, mx13 = weight_parts(w13, "w13", hidden.device)
+    _, _, mx2 = weight_parts(w2, "w2", hidden.device)
+    if mx13 != mx2:
+        raise TypeError("w13 and w2 must both be MXFP8Tensor or both bfloat16")
+    if act_dtype not in ("bf16", "mxfp8"):
+        raise ValueError(f"act_dtype must be 'bf16' or 'mxfp8', got {act_dtype!r}")
+    if dequant not in DEQUANT_MODES or (dequant == "f16_rel" and not mx13):
+        raise ValueError(f"dequant must be one of {DEQUANT_MODES} ('f16_rel' with MXFP8 weights), got {dequant!r}")
+    (T, H), k, E, I = hidden.shape, topk_ids.shape[1], w13.shape[0], w2.shape[-1]
+    out = torch.empty_like(hidden) if out is None else out
+    check_tensor("out", out, torch.bfloat16, (T, H), hidden.device)
+    if T == 0:
+        return out
+    if T > 65535:  # the combine grid's second dimension, a CUDA limit
+        raise ValueError(f"hidden has {T} tokens, more than 65535: split the batch")
+    cfg = config or tuned_config(T, E, H, I, k, hidden.device, dequant)
+    sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
+    S = sorted_ids.shape[0]
+    mx_act = act_dtype == "mxfp8"
+    x = mxfp8_quantize(hidden) if mx_act else hidden
+    # Zeros for the quantizer's sake: rows of blocks past the last expert are never written (nor read).
+    act = (torch.zeros if mx_act else torch.empty)((S, I), dtype=torch.bfloat16, device=hidden.device)
+    g = cfg.gate_up
+    moe_gate_up(x, sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k, block_m=cfg.block_m,
+                block_n=g.block_n, block_k=g.block_k, num_warps=g.num_warps, num_stages=g.num_stages, dequant=dequant)
+    part = torch.empty((T * k, H), dtype=torch.float32, device=hidden.device)
+    d = cfg.down
+    moe_down(mxfp8_quantize(act) if mx_act else act, sorted_ids, block_expert, topk_weights, w2, part,
+             block_m=cfg.block_m, block_n=d.block_n, block_k=d.block_k, num_warps=d.num_warps,
+             num_stages=d.num_stages, dequant=dequant)
+    moe_combine(part, out, k)
+    return out
+
+
+def auto_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
+             crossover: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Warp decode (its own auto schedule) for T <= crossover, expert-centric above; `crossover` None: the
+    measured one (crossover_tokens). T is a shape, so a CUDA graph captures one branch per batch size."""
+    check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
+    if crossover is None:
+        crossover = crossover_tokens(w13.shape[0], hidden.shape[-1], w2.shape[-1], topk_ids.shape[-1], hidden.device)
+    if hidden.shape[0] <= crossover:
+        return warp_decode_moe(hidden, topk_weights, topk_ids, w13, w2, out=out)
+    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2, out=out)
