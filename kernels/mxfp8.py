@@ -88,7 +88,9 @@ def mxfp8_quantize(weight: torch.Tensor) -> MXFP8Tensor:
     # It is exact where log2 on floats is not (log2(2^k * 448) must give exactly k).
     mantissa, exponent = torch.frexp(amax / E4M3_MAX)
     exp = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, _MIN_EXP)).clamp(_MIN_EXP, _MAX_EXP)
+    # Test the quotient, not amax: amax <= 224 * 2^-149 (FP32 denormals) divides to 0, and frexp(0) is
+    # (0, 0), which would give scale 2^0 where the rule (clamped) gives 2^-126, as for a zero block.
+    exp = torch.where(mantissa > 0, exp, torch.full_like(exp, _MIN_EXP)).clamp(_MIN_EXP, _MAX_EXP)
     # Dividing by a power of two in [2^-126, 2^127] is exact in FP32 (no double rounding).
     scaled = blocks * torch.exp2(-exp.to(torch.float32)).unsqueeze(-1)
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(weight.shape)

@@ -54,6 +54,13 @@ def test_tiny_and_subnormal_values():
     assert sub.dequantize()[0, :2].tolist() == [4 * 2.0**-135, -(2.0**-135)]
 
 
+def test_block_whose_amax_over_448_underflows_gets_code_1():
+    # amax <= 224 * 2^-149 divides by 448 to 0 in FP32; the block still clamps to code 1, as a zero block does.
+    q = mxfp8_quantize(one_block([2.0**-149, -224 * 2.0**-149]))
+    assert q.scales.item() == 1
+    assert q.data.view(torch.uint8)[0, :2].tolist() == [0x00, 0x80]  # +0 and -0
+
+
 def test_each_block_has_its_own_scale():
     w = torch.cat([one_block([1.0]), one_block([100.0])], dim=1)  # [1, 64], two blocks
     q = mxfp8_quantize(w)
