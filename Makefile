@@ -1,7 +1,9 @@
-# composer-rollout: make install | test | lint | rollout | generate | bench-load | bench-moe | gpu-*
+# composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
+# bench-sync | gpu-*
 PY ?= python3
 
-.PHONY: install test lint rollout generate bench-load bench-moe gpu-foundation gpu-warp-decode gpu-rollout
+.PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
+	rl-demo bench-sync gpu-sync gpu-expert-centric
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -16,6 +18,9 @@ lint:
 rollout:  ## the main job: the rollout job on a local Ray instance (embedded prompts, tiny preset, 2 CPU workers)
 	$(PY) jobs/rollout.py $(ARGS)
 
+rl-demo:  ## GRPO on a toy task: the trainer learns from the pool's rollouts and pushes weights every step (CPU)
+	$(PY) jobs/rl_demo.py $(ARGS)
+
 generate:  ## in-process generation, no Ray: generate from the tiny preset and print completions with logprobs
 	$(PY) jobs/generate.py $(ARGS)
 
@@ -25,11 +30,23 @@ bench-load:  ## checkpoint load time against tensor count (CPU)
 bench-moe:  ## MoE kernel paths at the Qwen3 shapes (GPU)
 	$(PY) jobs/bench_moe.py $(ARGS)
 
+bench-sync:  ## weight sync of a Qwen3-30B-A3B-sized state into a worker: cuda_ipc and object_store (GPU, ray)
+	$(PY) jobs/bench_sync.py $(ARGS)
+
+bench-requant:  ## MXFP8 re-quantization of Qwen3-30B-A3B's expert weights, 1 and 48 layers, against a copy ceiling (GPU)
+	$(PY) jobs/bench_requant.py $(ARGS)
+
 gpu-foundation:  ## on the GPU machine: CUDA parity tests and the qwen3_30b_a3b preset generating
 	bash jobs/gpu_foundation.sh
 
 gpu-warp-decode:  ## on the GPU machine: warp-decode GPU tests, bench_moe, and the 30B preset on torch vs warp_decode
 	bash jobs/gpu_warp_decode.sh
 
+gpu-expert-centric:  ## on the GPU machine: expert-centric GPU tests, its tuner (table in $OUT), bench_moe decode + prefill
+	bash jobs/gpu_expert_centric.sh
+
 gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU worker, 256 prompts
 	bash jobs/gpu_rollout.sh
+
+gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (needs ray wheels in .whl)
+	bash jobs/gpu_sync.sh

@@ -82,6 +82,43 @@ class RolloutConfig:
     cpus_per_worker: float = 1.0
     max_restarts: int = 3  # Ray restarts a dead worker this many times; its unfinished prompts go elsewhere meanwhile
     seed: int = 0
+    # Names the workers in Ray (namespace "composer-rollout") so that a trainer in another process finds them with
+    # WeightSync.connect(name); null leaves them unnamed (unreachable by name; two jobs never collide).
+    name: str | None = None
+
+
+class SyncTransport(StrEnum):
+    object_store = "object_store"
+    collective = "collective"
+    cuda_ipc = "cuda_ipc"
+
+
+class SyncMode(StrEnum):
+    drain = "drain"
+    abort = "abort"
+    inflight = "inflight"
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Weight sync from a trainer into the workers (composer_rollout.rollout.WeightSync). transport: object_store
+    (Ray's object store; any node, CPU or GPU), collective (a torch.distributed group with the trainer: NCCL when
+    it and every worker are on GPUs, gloo otherwise), cuda_ipc (trainer and worker on one GPU). mode, how a worker
+    swaps: drain (stop admitting, let the sequences in flight finish on the old weights, then swap), abort (abort
+    them: they come back with finish_reason "abort"), inflight (swap between two decode steps; sequences continue
+    on the new weights with their KV cache, and record per-token versions). timeout_s: a worker drops an update
+    left without a call for this long (its trainer died), and a collective waits this long for a rank."""
+
+    transport: SyncTransport = SyncTransport.object_store
+    bucket_mb: int = 512
+    mode: SyncMode = SyncMode.drain
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if not (isinstance(self.bucket_mb, int) and self.bucket_mb >= 1):
+            raise ValueError(f"sync.bucket_mb={self.bucket_mb!r} must be an integer >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError(f"sync.timeout_s={self.timeout_s!r} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -138,11 +175,35 @@ class RolloutJobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     prompts: str = "builtin:default"
     output: str | None = None
     resume: bool = False
     skip_bad_prompts: bool = False
     rejects: str | None = None  # null: rejects.jsonl beside the output
+
+
+@dataclass(frozen=True)
+class RLDemoConfig:
+    """jobs/rl_demo.py: GRPO on a toy verifiable task (answer with the digit 7), the trainer in the driver process,
+    the rollouts on the pool, weights pushed through WeightSync after every step. `model` configures the workers (the
+    trainer keeps an FP32 copy of the same shape and init); `trainer_device` null: cuda when available, else cpu."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8  # samples per prompt (a GRPO group)
+    digits: int = 3  # digits per prompt, and tokens per completion
+    temperature: float = 1.0
+    lr: float = 1e-2
+    seed: int = 0
+    trainer_device: str | None = None
 
 
 def build_engine(model: ModelConfig, kernel: KernelConfig, engine: EngineConfig) -> RolloutEngine:

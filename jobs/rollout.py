@@ -5,6 +5,7 @@
     python jobs/rollout.py eval=exact_match                   # score against each prompt's `answer`; pass@k
     python jobs/rollout.py resume=true hydra.run.dir=outputs/<the interrupted run>
     python jobs/rollout.py ray.address=auto                   # an existing cluster (`ray start --head`)
+    python jobs/rollout.py rollout.name=policy sync=collective  # trainers push weights: WeightSync.connect("policy")
     ray job submit --working-dir . -- python jobs/rollout.py  # as a Ray job
 
 Everything that can be checked is checked before Ray starts: the config (Hydra and the schemas), the checkpoint
@@ -99,8 +100,11 @@ def main(cfg: DictConfig) -> None:
     init_kw = {} if job.ray.num_cpus is None else {"num_cpus": job.ray.num_cpus}
     ray.init(address=job.ray.address, **init_kw)
     logger = make_logger(job.logger, run_dir, OmegaConf.to_container(cfg, resolve=True))
-    pool = RolloutPool(job.model, job.kernel, job.engine, job.rollout)
+    pool = RolloutPool(job.model, job.kernel, job.engine, job.rollout, job.sync)
     print("workers: " + ", ".join(f"{i['worker_id']} (pid {i['pid']}, {i['device']})" for i in pool.info))
+    if job.rollout.name is not None:
+        print(f"accepting weight syncs: WeightSync.connect({job.rollout.name!r}) from a process joined to this Ray "
+              f"cluster (transport {job.sync.transport.value}, mode {job.sync.mode.value})")
     start = last_log = time.perf_counter()
     step = 0
     try:

@@ -16,7 +16,8 @@ from wandb_reader import history_and_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"prompt_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version",
-          "num_prompt_tokens", "num_completion_tokens", "request_id", "latency_s", "ttft_s", "worker_id"}
+          "num_prompt_tokens", "num_completion_tokens", "request_id", "latency_s", "ttft_s", "worker_id",
+          "weight_versions"}
 
 
 def run_job(tmp_path, ray_head, *overrides, name="run"):
@@ -50,7 +51,6 @@ def test_output_complete_with_overrides(tmp_path, ray_head):
 @pytest.mark.parametrize("override,needle", [
     ("rollout.bogus=1", "bogus"),
     ("logger.mode=sideways", "sideways"),
-    ("kernel.name=expert_centric", "not built"),
     ("model.path=/no/such/ckpt", "does not exist"),
     ("prompts=BAD", "bad.jsonl:2: malformed JSON"),
 ])

@@ -5,6 +5,10 @@ The loop is continuous batching over a fixed set of KV-cache slots: a prompt gro
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
 and every step decodes all live sequences together. A finished sequence frees its slot at once.
 
+Weights change only between steps: `begin_update` stages a new version beside the live weights
+(composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
+token records the version that produced it (RolloutResult.weight_versions).
+
 It is kept in the shape a CUDA-graph runner needs: a decode step's tensors have a static shape per
 batch bucket (padding rows write to the cache's scratch slot), sampling parameters live on the
 device, and the only host synchronisation per step is reading the sampled tokens and logprobs.
@@ -21,6 +25,7 @@ import torch
 
 from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
 from composer_rollout.model import PRESETS, ModelArgs, Qwen3MoE, load_checkpoint, preset
+from composer_rollout.sync.update import WeightUpdate
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _MASK63 = (1 << 63) - 1
@@ -72,6 +77,7 @@ class _Sequence:
     seed: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)  # [weight version, tokens] spans
     first_token_time: float = 0.0
 
 
@@ -170,9 +176,10 @@ class RolloutEngine:
     def _result(self, seq: _Sequence, reason: str, now: float) -> RolloutResult:
         req = seq.request
         return RolloutResult(req.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, reason,
-                             self.weight_version, len(req.prompt), len(seq.token_ids), request_id=req.request_id,
-                             latency_s=now - req.arrival,
-                             ttft_s=(seq.first_token_time or now) - req.arrival)
+                             seq.versions[0][0] if seq.versions else self.weight_version, len(req.prompt),
+                             len(seq.token_ids), request_id=req.request_id, latency_s=now - req.arrival,
+                             ttft_s=(seq.first_token_time or now) - req.arrival,
+                             weight_versions=[(v, n) for v, n in seq.versions])
 
     def abort(self, request_id: str) -> list[RolloutResult]:
         """Stop a request: its samples come back now with what they have, finish_reason "abort"."""
@@ -180,6 +187,10 @@ class RolloutEngine:
         for req in [r for r in self._waiting if r.request_id == request_id]:
             self._waiting.remove(req)
             out += [self._result(_Sequence(req, j, 0), "abort", now) for j in range(req.sampling.n)]
+        return out + self._abort_live(request_id)
+
+    def _abort_live(self, request_id: str) -> list[RolloutResult]:
+        now, out = time.perf_counter(), []
         for slot, seq in list(self._live.items()):
             if seq.request.request_id == request_id:
                 out.append(self._result(seq, "abort", now))
@@ -187,12 +198,32 @@ class RolloutEngine:
                 self._free.append(slot)
         return out
 
+    def abort_all(self) -> list[RolloutResult]:
+        """Abort every live sequence (a weight swap in mode "abort"); waiting requests stay queued."""
+        return [r for rid in dict.fromkeys(seq.request.request_id for seq in self._live.values())
+                for r in self._abort_live(rid)]
+
+    def begin_update(self, version: int, *, partial: bool = False) -> WeightUpdate:
+        """A WeightUpdate to stage into while this engine keeps serving; `version` must exceed the served one."""
+        return WeightUpdate(self.model, version, self.weight_version, partial=partial)
+
+    def apply_update(self, update: WeightUpdate) -> None:
+        """Swap a finalized update in, between steps, and serve its version from the next token on. Live sequences
+        continue on the new weights with their KV cache as it is (computed by the old ones); each result's
+        weight_versions records which tokens came from which version."""
+        update.apply(self.model, self.weight_version)
+        self.weight_version = update.version
+
     def _append(self, slots: list[int], tokens: list[int], logprobs: list[float]) -> list[RolloutResult]:
         now, finished = time.perf_counter(), []
         for slot, tok, lp in zip(slots, tokens, logprobs, strict=True):
             seq = self._live[slot]
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
+            if seq.versions and seq.versions[-1][0] == self.weight_version:
+                seq.versions[-1][1] += 1
+            else:
+                seq.versions.append([self.weight_version, 1])
             seq.first_token_time = seq.first_token_time or now
             req = seq.request
             reason = ("stop" if tok in req.stop else
@@ -248,11 +279,11 @@ class RolloutEngine:
         return finished
 
     @torch.inference_mode()
-    def step(self) -> list[RolloutResult]:
-        """Admit waiting groups while their n slots are free (one prefill each), then one decode step over every
-        live sequence. Returns the samples that finished."""
+    def step(self, admit: bool = True) -> list[RolloutResult]:
+        """Admit waiting groups while their n slots are free (one prefill each; none when `admit` is False, as while
+        draining for a weight swap), then one decode step over every live sequence. Returns the finished samples."""
         finished = []
-        while self._waiting and len(self._free) >= self._waiting[0].sampling.n:
+        while admit and self._waiting and len(self._free) >= self._waiting[0].sampling.n:
             finished += self._prefill(self._waiting.popleft())
         if self._live:
             finished += self._decode()

@@ -62,7 +62,10 @@ class RolloutResult:
     full vocabulary (before top-k/top-p filtering); at temperature 0 the logits are not scaled.
     finish_reason: "stop" (eos or a stop token, which is kept as the last token), "length"
     (max_tokens or the context limit), "abort" (cancelled before it finished). latency_s and ttft_s run
-    from the request's arrival at the engine to its last and first token."""
+    from the request's arrival at the engine to its last and first token. weight_version is the version of
+    the weights that generated the first token; weight_versions the run-length spans (version, tokens) over
+    token_ids in order: one span unless the weights were swapped while the sample was in flight (sync mode
+    "inflight"), e.g. [(3, 17), (4, 9)]. `token_weight_versions()` expands them per token."""
 
     prompt_index: int
     sample_index: int
@@ -76,6 +79,10 @@ class RolloutResult:
     request_id: str = field(default="", compare=False)
     latency_s: float = field(default=0.0, compare=False)
     ttft_s: float = field(default=0.0, compare=False)
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+
+    def token_weight_versions(self) -> list[int]:
+        return [v for v, n in self.weight_versions for _ in range(n)]
 
 
 _MASK32 = 0xFFFFFFFF

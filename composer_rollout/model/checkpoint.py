@@ -5,11 +5,12 @@ Two expert layouts exist and both load:
     fused layout   model.layers.N.mlp.experts.gate_up_proj [E, 2I, H], ...down_proj [E, H, I]  (transformers 5)
 Saving writes the Hub layout, which every tool reads.
 
-Every tensor name is parsed once by splitting on dots and placed by dict lookup, so a load is
-linear in the number of tensors (Qwen3-30B-A3B has about 18k expert tensors; a search over names
-per tensor is what made other loaders take a minute). A layer's experts are assembled into one
-dense [E, 2I, H] / [E, H, I] pair and handed to the model (which quantizes them when MXFP8) as
-soon as the last of them arrives, so at most the layers still in flight are held dense.
+Every tensor name is parsed once (composer_rollout.model.weight_names, the mapping weight sync
+shares) and placed by dict lookup, so a load is linear in the number of tensors (Qwen3-30B-A3B has
+about 18k expert tensors; a search over names per tensor is what made other loaders take a minute).
+A layer's experts are assembled into one dense [E, 2I, H] / [E, H, I] pair and handed to the model
+(which quantizes them when MXFP8) as soon as the last of them arrives, so at most the layers still
+in flight are held dense.
 Every problem (missing, unexpected, duplicate or misshapen tensor, bad config) raises naming it.
 """
 
@@ -23,9 +24,8 @@ from safetensors.torch import save_file
 
 from composer_rollout.model.args import ModelArgs, from_hf_config
 from composer_rollout.model.qwen3_moe import Qwen3MoE
+from composer_rollout.model.weight_names import Dense, ExpertCoverage, Experts, WeightNames, check_shape
 from kernels import as_dense
-
-_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def read_args(path: str | Path) -> ModelArgs:
@@ -57,57 +57,37 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 class _ExpertAssembler:
-    """Collects one layer's expert tensors in either layout; hands the layer over when complete."""
+    """Collects one layer's expert tensors (either layout) into dense w13/w2; hands the layer over when complete."""
 
     def __init__(self, model: Qwen3MoE):
         self.model, a = model, model.args
         self.E, self.I, self.H = a.num_experts, a.moe_intermediate_size, a.hidden_size
         self.parts: dict[int, dict] = {}
+        self.coverage: dict[int, ExpertCoverage] = {}
 
     def _layer(self, layer: int) -> dict:
         if layer not in self.parts:
             self.parts[layer] = {"w13": torch.empty(self.E, 2 * self.I, self.H, dtype=self.model.dtype,
                                                     device=self.model.device),
                                  "w2": torch.empty(self.E, self.H, self.I, dtype=self.model.dtype,
-                                                   device=self.model.device),
-                                 "need": 3 * self.E, "layout": None}
+                                                   device=self.model.device)}
+            self.coverage[layer] = ExpertCoverage(layer, self.E)
         return self.parts[layer]
 
-    def add(self, name: str, layer: int, rest: list[str], tensor_fn) -> None:
-        part = self._layer(layer)
-        if rest in (["gate_up_proj"], ["down_proj"]):
-            layout, expected = "fused", ((self.E, 2 * self.I, self.H) if rest[0] == "gate_up_proj"
-                                         else (self.E, self.H, self.I))
-        elif len(rest) == 3 and rest[0].isdigit() and rest[1] in _PROJ and rest[2] == "weight":
-            layout = "hub"
-            expert = int(rest[0])
-            if expert >= self.E:
-                raise ValueError(f"{name}: expert {expert} >= num_experts {self.E}")
-            expected = (self.H, self.I) if rest[1] == "down_proj" else (self.I, self.H)
-        else:
-            raise ValueError(f"{name}: unexpected expert tensor name")
-        if part["layout"] not in (None, layout):
-            raise ValueError(f"{name}: layer {layer} mixes the Hub (per-expert) and fused expert layouts")
-        part["layout"] = layout
+    def add(self, name: str, target: Experts, tensor_fn) -> None:
+        part = self._layer(target.layer)
+        coverage = self.coverage[target.layer]
+        coverage.add(name, target)
         t = tensor_fn()
-        if tuple(t.shape) != expected:
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {expected}")
-        if layout == "fused":
-            (part["w13"] if rest[0] == "gate_up_proj" else part["w2"]).copy_(t)
-            part["need"] -= 2 * self.E if rest[0] == "gate_up_proj" else self.E
-        else:
-            rows = {"gate_proj": slice(0, self.I), "up_proj": slice(self.I, 2 * self.I)}
-            if rest[1] == "down_proj":
-                part["w2"][expert].copy_(t)
-            else:
-                part["w13"][expert, rows[rest[1]]].copy_(t)
-            part["need"] -= 1
-        if part["need"] == 0:
-            self.model.set_experts(layer, part.pop("w13"), part.pop("w2"))
+        check_shape(name, t.shape, target.shape)
+        experts = slice(None) if target.expert is None else target.expert
+        part[target.which][experts, target.rows].copy_(t)
+        if coverage.complete():
+            self.model.set_experts(target.layer, part.pop("w13"), part.pop("w2"))
 
     def incomplete(self) -> list[int]:
         return [layer for layer in range(self.model.args.num_hidden_layers)
-                if layer not in self.parts or self.parts[layer]["need"] != 0]
+                if layer not in self.coverage or not self.coverage[layer].complete()]
 
 
 def load_checkpoint(path: str | Path, *, dtype=torch.bfloat16, device="cpu", weight_dtype="bf16",
@@ -116,6 +96,7 @@ def load_checkpoint(path: str | Path, *, dtype=torch.bfloat16, device="cpu", wei
     args = read_args(path)
     model = Qwen3MoE(args, dtype=dtype, device=device, weight_dtype=weight_dtype, kernel=kernel)
     dense = model.hf_dense_weights()
+    names = WeightNames.of(model)
     filled: set[str] = set()
     experts = _ExpertAssembler(model)
     for file in _safetensors_files(path):
@@ -124,19 +105,17 @@ def load_checkpoint(path: str | Path, *, dtype=torch.bfloat16, device="cpu", wei
                 if name in filled:
                     raise ValueError(f"{name}: appears twice in the checkpoint")
                 filled.add(name)
-                fields = name.split(".")
-                if fields[:2] == ["model", "layers"] and fields[3:5] == ["mlp", "experts"]:
-                    experts.add(name, int(fields[2]), fields[5:], lambda name=name: f.get_tensor(name))
-                elif name in dense:
+                try:
+                    target = names.target(name)
+                except ValueError as e:
+                    raise ValueError(f"{file.name}: {e}") from None
+                if isinstance(target, Experts):
+                    experts.add(name, target, lambda name=name: f.get_tensor(name))
+                elif isinstance(target, Dense):
                     t = f.get_tensor(name)
-                    if tuple(t.shape) != tuple(dense[name].shape):
-                        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(dense[name].shape)}")
+                    check_shape(name, t.shape, target.shape)
                     dense[name].copy_(t)
-                elif name == "lm_head.weight" and args.tie_word_embeddings:
-                    continue  # some exporters write the tied head anyway; the embedding is the weight
-                else:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {args.num_hidden_layers} "
-                                     f"Qwen3-MoE layers")
+                # else TiedHead: some exporters write the tied head anyway; the embedding is the weight
     missing = [n for n in dense if n not in filled]
     if missing:
         raise ValueError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")

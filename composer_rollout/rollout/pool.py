@@ -6,6 +6,9 @@
   prefills a prompt once and copies its KV cache to the n slots). Each worker holds at most `inflight_factor *
   max_num_seqs` samples, so fast workers take more of the set and a crash strands little work.
 - Gathering: a long `poll` per worker, all waited on together (`ray.wait`), samples yielded as they finish.
+- Weight sync: with `rollout.name` set the workers are named actors (`<name>.worker<i>` in the namespace
+  "composer-rollout"), so a trainer in another process reaches the running job with WeightSync.connect(name); they
+  carry the job's SyncConfig, which connect takes as its defaults.
 - Faults: a worker whose poll raises RayActorError has died; Ray restarts it (max_restarts) while its unfinished
   prompts go back to the head of the queue for any live worker. Samples are deduplicated by (prompt index, sample
   index): a sample comes out exactly once, even when a prompt ran twice (seeds make both runs identical anyway).
@@ -20,10 +23,16 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from composer_rollout.config import EngineConfig, KernelConfig, ModelConfig, RolloutConfig
+from composer_rollout.config import EngineConfig, KernelConfig, ModelConfig, RolloutConfig, SyncConfig
 from composer_rollout.engine import RolloutResult
 from composer_rollout.prompts import Prompt
 from composer_rollout.rollout.worker import RolloutWorker
+
+NAMESPACE = "composer-rollout"
+
+
+def worker_name(job_name: str, index: int) -> str:
+    return f"{job_name}.worker{index}"
 
 
 class WorkersExhaustedError(RuntimeError):
@@ -31,8 +40,9 @@ class WorkersExhaustedError(RuntimeError):
 
 
 class RolloutPool:
-    def __init__(self, model: ModelConfig, kernel: KernelConfig, engine: EngineConfig, rollout: RolloutConfig, *,
-                 inflight_factor: int = 2, poll_s: float = 0.5, ready_timeout_s: float = 600.0):
+    def __init__(self, model: ModelConfig, kernel: KernelConfig, engine: EngineConfig, rollout: RolloutConfig,
+                 sync: SyncConfig | None = None, *, inflight_factor: int = 2, poll_s: float = 0.5,
+                 ready_timeout_s: float = 600.0):
         if rollout.num_workers < 1:
             raise ValueError(f"rollout.num_workers must be >= 1, got {rollout.num_workers}")
         self.cfg, self.poll_s = rollout, poll_s
@@ -47,13 +57,18 @@ class RolloutPool:
                                f"(cluster resources: {ray.cluster_resources()})")
         actor = ray.remote(RolloutWorker)
         threads = max(1, int(rollout.cpus_per_worker))
-        self.workers = [
-            actor.options(num_cpus=rollout.cpus_per_worker, num_gpus=rollout.gpus_per_worker,
-                          max_restarts=rollout.max_restarts, max_concurrency=4,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
-            .remote(i, model, kernel, engine, threads)
-            for i in range(rollout.num_workers)]
+        names = {} if rollout.name is None else {"namespace": NAMESPACE}
+        self.workers = []
         try:  # a bad checkpoint or kernel path fails here, in every worker, before any prompt is sent
+            for i in range(rollout.num_workers):
+                if rollout.name is not None:
+                    names["name"] = worker_name(rollout.name, i)
+                # max_concurrency: a long poll, submits, a sync's staging calls and a commit waiting on a drain
+                self.workers.append(actor.options(
+                    num_cpus=rollout.cpus_per_worker, num_gpus=rollout.gpus_per_worker,
+                    max_restarts=rollout.max_restarts, max_concurrency=8, **names,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
+                    .remote(i, model, kernel, engine, threads, sync))
             self.info = ray.get([w.info.remote() for w in self.workers])
         except Exception:
             self.shutdown()

@@ -1,0 +1,161 @@
+"""Weight sync of a Qwen3-30B-A3B-sized BF16 state (about 61 GB) into one rollout worker on the same GPU.
+
+    python jobs/bench_sync.py --out DIR     # a table, one JSON line at the end, DIR/bench_sync.json and .png
+
+The trainer is this process: it generates every tensor on the GPU under Hugging Face names (transformers 5's fused
+expert layout, or the Hub's per-expert one as views of it) and pushes it with WeightSync into a RolloutPool worker
+(a Ray actor on the same GPU, MXFP8 experts). A row's seconds run from `push` to the worker serving the new version:
+staging (the worker maps or receives each bucket and re-quantizes the experts on the GPU), validation of the whole
+update (every value finite), and the swap. GB/s is the source's bytes over those seconds. The target is cuda_ipc with
+the fused layout at <= 0.5 s (NeMo-RL's fastest published Qwen3-30B refit: 0.74-1.0 s; verl and slime: about 7 s).
+After the runs, a few of the worker's tensors are read back and compared bit for bit with the host quantizer's bytes.
+Needs ray (carried as wheels on the lent GPU machine: jobs/gpu_sync.sh).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from composer_rollout.config import EngineConfig, KernelConfig, ModelConfig, RolloutConfig, SyncConfig, WeightDtype
+from composer_rollout.engine import SamplingParams
+from composer_rollout.model import Qwen3MoE, preset
+from composer_rollout.prompts import Prompt
+from composer_rollout.rollout import RolloutPool, WeightSync
+from composer_rollout.sync.channels import local_device
+from kernels import mxfp8_quantize
+
+
+def make_state(name: str, device: torch.device) -> tuple[list, list, int]:
+    """(fused-layout pairs, Hub-layout pairs as views of the same memory, bytes) of random BF16 weights on the GPU."""
+    args = preset(name)
+    shapes = Qwen3MoE(args, device="meta").hf_dense_weights()
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02)
+
+    dense = [(n, torch.ones(p.shape, device=device, dtype=torch.bfloat16) if n.endswith("norm.weight")
+              else rand(p.shape)) for n, p in shapes.items()]
+    E, I, H = args.num_experts, args.moe_intermediate_size, args.hidden_size
+    fused, hub = list(dense), list(dense)
+    for layer in range(args.num_hidden_layers):
+        w13, w2 = rand((E, 2 * I, H)), rand((E, H, I))
+        prefix = f"model.layers.{layer}.mlp.experts"
+        fused += [(f"{prefix}.gate_up_proj", w13), (f"{prefix}.down_proj", w2)]
+        for e in range(E):
+            hub += [(f"{prefix}.{e}.gate_proj.weight", w13[e, :I]), (f"{prefix}.{e}.up_proj.weight", w13[e, I:]),
+                    (f"{prefix}.{e}.down_proj.weight", w2[e])]
+    return fused, hub, sum(t.numel() * t.element_size() for _, t in fused)
+
+
+def check_exact(pool: RolloutPool, fused: list, layers: int) -> bool:
+    """A few of the worker's tensors against the host quantizer's bytes (computed here, on the GPU)."""
+    state = dict(fused)
+    last = layers - 1
+    names = {"model.layers.0.mlp.experts.w13": state["model.layers.0.mlp.experts.gate_up_proj"],
+             f"model.layers.{last}.mlp.experts.w2": state[f"model.layers.{last}.mlp.experts.down_proj"]}
+    keys = [f"{n}.{part}" for n in names for part in ("data", "scales")] + ["model.embed_tokens.weight"]
+    got = ray.get(pool.workers[0].weights.remote(keys))
+    ok = torch.equal(got["model.embed_tokens.weight"], state["model.embed_tokens.weight"].cpu())
+    for n, w in names.items():
+        q = mxfp8_quantize(w)
+        ok &= torch.equal(got[f"{n}.data"], q.data.view(torch.uint8).cpu()) and torch.equal(got[f"{n}.scales"],
+                                                                                            q.scales.cpu())
+    return bool(ok)
+
+
+def plot(rows: list[dict], path: Path, target_s: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['transport']}\n{r['layout']}, {r['bucket_mb']} MB" for r in rows]
+    ax.bar(labels, [r["seconds"] for r in rows], color=["tab:green" if r["transport"] == "cuda_ipc" else "tab:blue"
+                                                        for r in rows])
+    ax.axhline(target_s, color="tab:red", linestyle="--", label=f"target {target_s} s (cuda_ipc)")
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds per full sync (best of reps)")
+    ax.set_title(title)
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['seconds']:.3g} s\n{r['gb_per_s']:.1f} GB/s", (i, r["seconds"]), ha="center", va="bottom",
+                    fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out/bench_sync")
+    parser.add_argument("--preset", default="qwen3_30b_a3b")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--runs", nargs="+", default=["cuda_ipc:fused:512", "cuda_ipc:fused:8192",
+                                                      "cuda_ipc:hub:512", "object_store:fused:512"],
+                        help="transport:layout:bucket_mb, in order (object_store runs once: it is slow)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sync needs a CUDA GPU (cuda_ipc shares the trainer's GPU memory with the worker)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ray.init(num_cpus=4, include_dashboard=False)
+    start = time.perf_counter()
+    pool = RolloutPool(ModelConfig(preset=args.preset, weight_dtype=WeightDtype.mxfp8), KernelConfig(),
+                       EngineConfig(max_num_seqs=2, max_model_len=128),
+                       RolloutConfig(num_workers=1, gpus_per_worker=1, cpus_per_worker=2), SyncConfig(timeout_s=900))
+    build_s = time.perf_counter() - start
+    device = torch.device("cuda", local_device(pool.info[0]["gpu_uuid"]))  # the worker's GPU, as this process sees it
+    torch.cuda.set_device(device)
+    fused, hub, nbytes = make_state(args.preset, device)
+    print(f"worker built in {build_s:.1f} s; trainer state {nbytes / 1e9:.1f} GB BF16 ({len(fused)} fused-layout "
+          f"tensors, {len(hub)} in the Hub layout) on {torch.cuda.get_device_name(device)}")
+    rows, version = [], 0
+    print(f"{'transport':>12} {'layout':>6} {'bucket':>7} {'best s':>8} {'GB/s':>7} {'stage s':>8} {'valid s':>8} "
+          f"{'swap s':>7} {'buckets':>7}  all reps (s)")
+    for run in args.runs:
+        transport, layout, bucket_mb = run.split(":")
+        sync = WeightSync(pool, transport=transport, bucket_mb=int(bucket_mb), timeout_s=900)
+        state = fused if layout == "fused" else hub
+        reps = 1 if transport == "object_store" else args.reps + 1  # the first cuda_ipc push compiles and warms up
+        stats = []
+        for _ in range(reps):
+            version += 1
+            stats.append(sync.push(state, version))
+        timed = stats[1:] if len(stats) > 1 else stats
+        best = min(timed, key=lambda s: s.seconds)
+        rows.append({"transport": transport, "layout": layout, "bucket_mb": int(bucket_mb), "seconds": best.seconds,
+                     "gb_per_s": best.gb_per_s, "stage_s": best.stage_s, "validate_s": best.prepare_s,
+                     "swap_s": best.commit_s, "buckets": best.buckets, "tensors": best.tensors,
+                     "reps_s": [round(s.seconds, 4) for s in stats]})
+        r = rows[-1]
+        print(f"{transport:>12} {layout:>6} {bucket_mb:>7} {r['seconds']:>8.3f} {r['gb_per_s']:>7.1f} "
+              f"{r['stage_s']:>8.3f} {r['validate_s']:>8.3f} {r['swap_s']:>7.3f} {r['buckets']:>7}  {r['reps_s']}",
+              flush=True)
+    exact = check_exact(pool, fused, preset(args.preset).num_hidden_layers)
+    served = pool.generate([Prompt(0, "p0", [1, 2, 3], SamplingParams(max_tokens=4, seed=0))])[0]
+    print(f"worker tensors bit-exact with the source's quantization: {exact}; it serves version "
+          f"{served.weight_version} (pushed {version})")
+    pool.shutdown()
+    ipc = [r["seconds"] for r in rows if r["transport"] == "cuda_ipc" and r["layout"] == "fused"]
+    result = {"bench": "sync", "preset": args.preset, "state_gb": round(nbytes / 1e9, 2), "build_s": round(build_s, 1),
+              "cuda_ipc_best_s": round(min(ipc), 4) if ipc else None, "target_s": 0.5, "exact": exact,
+              "served_version": served.weight_version, "rows": rows}
+    (out / "bench_sync.json").write_text(json.dumps(result, indent=2))
+    try:
+        plot(rows, out / "bench_sync.png", 0.5,
+             f"{args.preset}: {nbytes / 1e9:.0f} GB BF16 -> 1 worker (MXFP8), {torch.cuda.get_device_name(device)}")
+    except ImportError:
+        print("matplotlib is not installed here: no bench_sync.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}
+                     | {"rows": [{k: r[k] for k in ("transport", "layout", "bucket_mb", "seconds", "gb_per_s")}
+                                 for r in rows]}))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
