@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from composer_rollout.engine import RolloutEngine, SamplingParams
+from composer_rollout.engine.memory import check_fraction
 
 
 class KernelName(StrEnum):
@@ -54,9 +55,17 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """gpu_memory_fraction: on CUDA, the share of the GPU's memory that weights, activations and the KV cache may
+    take; the cache gets max_num_seqs slots of max_model_len tokens, or fewer if fewer fit (engine/memory.py).
+    Unused on CPU, where the cache is max_num_seqs slots."""
+
     max_num_seqs: int = 16
     max_model_len: int | None = None
     device: str | None = None  # None: cuda when available, else cpu
+    gpu_memory_fraction: float = 0.9
+
+    def __post_init__(self):
+        check_fraction(self.gpu_memory_fraction)
 
 
 DEFAULT_PROMPTS = [[3, 14, 15, 92, 65], [2, 7, 18, 28], [1, 4, 1, 4, 2, 1, 3, 5, 6], [10, 20, 30]]
@@ -209,4 +218,5 @@ class RLDemoConfig:
 def build_engine(model: ModelConfig, kernel: KernelConfig, engine: EngineConfig) -> RolloutEngine:
     return RolloutEngine.from_pretrained(
         model.source, kernel=kernel.name.value, weight_dtype=model.weight_dtype.value, dtype=model.dtype.value,
-        device=engine.device, seed=model.seed, max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len)
+        device=engine.device, seed=model.seed, max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
+        gpu_memory_fraction=engine.gpu_memory_fraction)

@@ -18,8 +18,13 @@ from composer_rollout.prompts import Prompt, Reject
 
 
 def record(prompt: Prompt, result: RolloutResult, worker_id: int, score: float | None = None) -> dict:
-    """A sample's line: prompt id, every RolloutResult field (weight version, latency, ttft included), worker."""
+    """A sample's line: prompt id, every RolloutResult field (weight version, latency, ttft included; routed_experts
+    only when the sample asked for it, as nested lists), worker."""
     rec = {"prompt_id": prompt.id, **dataclasses.asdict(result), "worker_id": worker_id}
+    if result.routed_experts is None:
+        del rec["routed_experts"]  # only written when asked for: it is the largest field by far
+    else:
+        rec["routed_experts"] = result.routed_experts.tolist()  # [tokens][layers][k] ints
     if score is not None:
         rec["score"] = score
     return rec

@@ -31,9 +31,9 @@ def spy_forward(monkeypatch, model) -> list[tuple[int, ...]]:
     """Record the input_ids shape of every model forward."""
     shapes, orig = [], model.forward
 
-    def forward(input_ids, positions, slots, cache):
+    def forward(input_ids, positions, slots, cache, capture=None):
         shapes.append(tuple(input_ids.shape))
-        return orig(input_ids, positions, slots, cache)
+        return orig(input_ids, positions, slots, cache, capture)
 
     monkeypatch.setattr(model, "forward", forward)
     return shapes

@@ -11,7 +11,11 @@ token records the version that produced it (RolloutResult.weight_versions).
 
 It is kept in the shape a CUDA-graph runner needs: a decode step's tensors have a static shape per
 batch bucket (padding rows write to the cache's scratch slot), sampling parameters live on the
-device, and the only host synchronisation per step is reading the sampled tokens and logprobs.
+device, and the only host synchronisation per step is reading the sampled tokens and logprobs (and, for
+the sequences that asked, their routed expert ids: composer_rollout.engine.capture).
+
+The number of KV slots is max_num_seqs; on CUDA it is checked at start-up against the memory budget
+(gpu_memory_fraction), and an engine that would not fit fails there: composer_rollout.engine.memory.
 """
 
 import math
@@ -21,8 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from composer_rollout.engine.capture import ExpertCapture
+from composer_rollout.engine.memory import kv_slots
 from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
 from composer_rollout.model import PRESETS, ModelArgs, Qwen3MoE, load_checkpoint, preset
 from composer_rollout.sync.update import WeightUpdate
@@ -79,6 +86,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)  # [weight version, tokens] spans
     first_token_time: float = 0.0
+    routing: list[np.ndarray] = field(default_factory=list)  # [tokens, layers, k] chunks, when asked for
 
 
 @dataclass
@@ -96,10 +104,12 @@ class EngineStats:
 class RolloutEngine:
     """Requests in (`add_request`), finished samples out (`step`); `generate` is both in one call."""
 
-    def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0):
+    def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0,
+                 gpu_memory_fraction: float = 0.9):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_model_len = resolve_max_model_len(model.args, max_model_len)
+        kv_slots(model, max_num_seqs, self.max_model_len, gpu_memory_fraction)
         self.model, self.max_num_seqs = model, max_num_seqs
         self.device = model.device
         self.cache = model.new_kv_cache(max_num_seqs, self.max_model_len)
@@ -115,7 +125,8 @@ class RolloutEngine:
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, kernel: str = "torch", weight_dtype: str = "bf16",
                         dtype: str = "bfloat16", device: str | None = None, seed: int = 0,
-                        max_num_seqs: int = 16, max_model_len: int | None = None) -> "RolloutEngine":
+                        max_num_seqs: int = 16, max_model_len: int | None = None,
+                        gpu_memory_fraction: float = 0.9) -> "RolloutEngine":
         """A checkpoint directory, or a preset name (random init seeded with `seed`)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is unknown; choose one of {sorted(DTYPES)}")
@@ -128,7 +139,8 @@ class RolloutEngine:
         else:
             raise ValueError(f"model {path_or_preset!r} is neither a checkpoint directory nor a preset "
                              f"({sorted(PRESETS)})")
-        return cls(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
+        return cls(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
+                   gpu_memory_fraction=gpu_memory_fraction)
 
     def _check_tokens(self, what: str, seqs: list[list[int]], allow_empty: bool = False) -> None:
         vocab = self.model.args.vocab_size
@@ -141,10 +153,10 @@ class RolloutEngine:
             if bad:
                 raise ValueError(f"{what}[{i}] has token id {bad[0]!r} outside [0, vocab_size={vocab})")
 
-    def _forward_last(self, token_ids: list[int], slot: int, start: int = 0) -> torch.Tensor:
+    def _forward_last(self, token_ids: list[int], slot: int, capture: ExpertCapture | None) -> torch.Tensor:
         ids = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
-        hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache)
+        positions = torch.arange(len(token_ids), device=self.device)[None]
+        hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)
         return self.model.compute_logits(hidden[0, -1])
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, *, prompt_index: int = 0,
@@ -179,7 +191,18 @@ class RolloutEngine:
                              seq.versions[0][0] if seq.versions else self.weight_version, len(req.prompt),
                              len(seq.token_ids), request_id=req.request_id, latency_s=now - req.arrival,
                              ttft_s=(seq.first_token_time or now) - req.arrival,
-                             weight_versions=[(v, n) for v, n in seq.versions])
+                             weight_versions=[(v, n) for v, n in seq.versions], routed_experts=self._routing(seq))
+
+    def _capture(self, num_tokens: int) -> ExpertCapture:
+        a = self.model.args
+        return ExpertCapture(a.num_hidden_layers, num_tokens, a.num_experts_per_tok, a.num_experts, self.device)
+
+    def _routing(self, seq: _Sequence) -> np.ndarray | None:
+        if not seq.request.sampling.return_routed_experts:
+            return None
+        if seq.routing:
+            return np.concatenate(seq.routing)
+        return self._capture(0).all_rows()  # aborted before its prefill: no rows, the right shape and dtype
 
     def abort(self, request_id: str) -> list[RolloutResult]:
         """Stop a request: its samples come back now with what they have, finish_reason "abort"."""
@@ -250,12 +273,18 @@ class RolloutEngine:
         start = time.perf_counter()
         n = req.sampling.n
         slots = [self._free.pop() for _ in range(n)]
-        logits = self._forward_last(req.prompt, slots[0])
+        capture = self._capture(len(req.prompt)) if req.sampling.return_routed_experts else None
+        logits = self._forward_last(req.prompt, slots[0], capture)
         self.cache.copy_prefix(slots[0], slots[1:], len(req.prompt))
         seqs = [_Sequence(req, j, _sample_seed(req.seed, req.prompt_index, j)) for j in range(n)]
         self._live.update(zip(slots, seqs, strict=True))
         tokens, logprobs = sample(logits.expand(n, -1), *self._sampling_rows(seqs, n))
-        finished = self._append(slots, tokens.tolist(), logprobs.tolist())
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        if capture is not None:  # one prefill, so one prompt routing for the whole group
+            prompt_routing = capture.all_rows()
+            for seq in seqs:
+                seq.routing.append(prompt_routing)
+        finished = self._append(slots, tokens, logprobs)
         self.stats.prefill_tokens += len(req.prompt)
         self.stats.prefill_s += time.perf_counter() - start
         return finished
@@ -269,9 +298,15 @@ class RolloutEngine:
         ids = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * pad, device=dev)
         pos = torch.tensor([len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs] + [0] * pad, device=dev)
         slot_t = torch.tensor(slots + [self.cache.scratch_slot] * pad, device=dev)
-        hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache)
+        asked = [i for i, s in enumerate(seqs) if s.request.sampling.return_routed_experts]
+        capture = self._capture(rows) if asked else None
+        hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache, capture)
         tokens, logprobs = sample(self.model.compute_logits(hidden[:, 0]), *self._sampling_rows(seqs, rows))
-        finished = self._append(slots, tokens[: len(slots)].tolist(), logprobs[: len(slots)].tolist())
+        tokens, logprobs = tokens[: len(slots)].tolist(), logprobs[: len(slots)].tolist()
+        if capture is not None:  # read after the tokens: the step has synchronised already
+            for i, row in zip(asked, capture.rows(asked), strict=True):
+                seqs[i].routing.append(row[None])
+        finished = self._append(slots, tokens, logprobs)
         self.stats.decode_s += time.perf_counter() - start
         self.stats.decode_tokens += len(slots)
         self.stats.decode_rows += rows

@@ -11,6 +11,7 @@ generator state has to be carried between steps or engines.
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -20,7 +21,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 class SamplingParams:
     """temperature 0 is greedy; n samples per prompt (a GRPO group); top_k 0 and top_p 1 disable
     those filters; seed None draws one from the engine's seed; eos from the model config always stops,
-    and so does any of stop_token_ids."""
+    and so does any of stop_token_ids. return_routed_experts: fill RolloutResult.routed_experts (for
+    routing replay); off, the engine records nothing."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,6 +31,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         def bad(name, why):
@@ -54,6 +57,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.return_routed_experts, bool):
+            raise bad("return_routed_experts", "must be a bool")
 
 
 @dataclass
@@ -65,7 +70,15 @@ class RolloutResult:
     from the request's arrival at the engine to its last and first token. weight_version is the version of
     the weights that generated the first token; weight_versions the run-length spans (version, tokens) over
     token_ids in order: one span unless the weights were swapped while the sample was in flight (sync mode
-    "inflight"), e.g. [(3, 17), (4, 9)]. `token_weight_versions()` expands them per token."""
+    "inflight"), e.g. [(3, 17), (4, 9)]. `token_weight_versions()` expands them per token.
+
+    routed_experts (only with SamplingParams.return_routed_experts, else None): the top-k expert ids every MoE
+    layer chose for every token the engine fed through the model, one array over prompt and completion,
+    [num_prompt_tokens + num_completion_tokens - 1, layers, k] (uint8 up to 256 experts). Row i is the token at
+    position i of prompt + completion; the last completion token is never fed, so it has no row. The prompt's
+    rows come from its one prefill (shared by the group's n samples), and row num_prompt_tokens - 1 + j is the
+    forward that sampled completion token j: exactly what a trainer replays (R3) when it teacher-forces the
+    sequence to score the completion."""
 
     prompt_index: int
     sample_index: int
@@ -80,6 +93,8 @@ class RolloutResult:
     latency_s: float = field(default=0.0, compare=False)
     ttft_s: float = field(default=0.0, compare=False)
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    # Left out of ==: a numpy array's == is elementwise, which a dataclass comparison cannot use.
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
 
     def token_weight_versions(self) -> list[int]:
         return [v for v, n in self.weight_versions for _ in range(n)]

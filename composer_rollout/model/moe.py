@@ -74,8 +74,12 @@ class SparseMoE(nn.Module):
         self.w2: torch.Tensor | MXFP8Tensor = torch.empty(
             num_experts, hidden_size, intermediate_size, dtype=dtype, device="meta")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor:
+        """x [..., H]; `capture` (composer_rollout.engine.capture.ExpertCapture, or None) records this layer's
+        expert ids when the engine asks for them."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = route(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob)
+        if capture is not None:
+            capture.record(layer, ids)
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)

@@ -33,9 +33,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
                              args.num_experts_per_tok, args.norm_topk_prob, dtype, device, moe_fn)
 
-    def forward(self, x, positions, slots, layer, cache, inv_freq):
+    def forward(self, x, positions, slots, layer, cache, inv_freq, capture=None):
         x = x + self.self_attn(self.input_layernorm(x), positions, slots, layer, cache, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), layer, capture)
 
 
 class Qwen3MoE(nn.Module):
@@ -93,11 +93,12 @@ class Qwen3MoE(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
-        """input_ids, positions [B, S]; slots [B] -> final hidden states [B, S, H] (after the last norm)."""
+                cache: KVCache, capture=None) -> torch.Tensor:
+        """input_ids, positions [B, S]; slots [B] -> final hidden states [B, S, H] (after the last norm).
+        `capture` (an ExpertCapture over B * S tokens, or None) records every layer's routed expert ids."""
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, slots, i, cache, self.inv_freq)
+            x = layer(x, positions, slots, i, cache, self.inv_freq, capture)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
