@@ -1,7 +1,8 @@
 """Tile loaders shared by the expert-centric grouped GEMMs: BF16 or MXFP8 operands, dequantized on load.
 
 No kernel here: @triton.jit helpers that the kernels in kernels/moe_gate_up.py and kernels/moe_down.py
-inline. Each returns a tile in the dot's operand dtype `DOT`: BF16 on the GPU (tensor cores, FP32 accumulate),
+inline, as does warp decode's expert schedule (kernels/warp_decode_moe.py) for its FP32 TF32-dot tiles. Each
+returns a tile in the dot's operand dtype `DOT`: BF16 on the GPU (tensor cores, FP32 accumulate),
 FP32 under Triton's interpreter, whose BF16 tl.dot multiplies raw bits. MXFP8 dequantization is exact either way:
 an E4M3 value (3 mantissa bits) times 2^(scale - 127) fits BF16, whose exponent range is FP32's.
 

@@ -41,13 +41,9 @@ import triton.language as tl
 
 from kernels.moe_combine import moe_combine
 from kernels.moe_reference import check_kernel_args, weight_parts
+from kernels.mx_tiles import e8m0_to_f32, kmajor_tile
 
 _PAIR_TILE = 16  # tl.dot needs at least 16 rows; decode rarely routes more pairs than that to one expert
-
-
-@triton.jit
-def _e8m0(s):
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -67,7 +63,7 @@ def _load_rows(d_ptr, s_ptr, row, row_ok, kk, k_ok, sg, KDIM, IS_MX: tl.constexp
     if IS_MX:
         s = tl.load(s_ptr + row[:, None] * (KDIM // 32) + sg[None, :],
                     mask=row_ok[:, None] & (sg < KDIM // 32)[None, :], other=127)
-        return w, _e8m0(s)
+        return w, e8m0_to_f32(s)
     return w, tl.full([row.shape[0], sg.shape[0]], 1.0, tl.float32)
 
 
@@ -76,22 +72,6 @@ def _rows_dot(d_ptr, s_ptr, row, row_ok, vec, kk, k_ok, sg, KDIM, IS_MX: tl.cons
     """sum_k W[row, k] * vec[.., k], vec broadcastable to [R, G, 32], sg [G] the scale column of each group."""
     w, f = _load_rows(d_ptr, s_ptr, row, row_ok, kk, k_ok, sg, KDIM, IS_MX)
     return tl.sum(tl.sum(w * vec, axis=2) * f, axis=1)
-
-
-@triton.jit
-def _tile_t(d_ptr, s_ptr, row, row_ok, k0, KDIM: tl.constexpr, BK: tl.constexpr, IS_MX: tl.constexpr):
-    """W[row, k0:k0+BK] transposed to [BK, R] FP32 for a TF32 tl.dot: exact for MXFP8 (3 mantissa bits
-    times 2^n) and BF16 weights, as BF16 activations are (Triton 3.6's interpreter gets BF16 dots wrong).
-    Loaded as [BK/32, 32, R] so each scale is loaded once and broadcast over its 32 elements."""
-    g = tl.arange(0, BK // 32)
-    kk = k0 + g[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
-    m = _k_mask(kk, KDIM, BK) & row_ok[None, None, :]
-    w = tl.load(d_ptr + row[None, None, :] * KDIM + kk, mask=m, other=0.0).to(tl.float32)
-    if IS_MX:
-        s = tl.load(s_ptr + row[None, None, :] * (KDIM // 32) + k0 // 32 + g[:, None, None],
-                    mask=row_ok[None, None, :] & (k0 // 32 + g < KDIM // 32)[:, None, None], other=127)
-        w = w * _e8m0(s)
-    return tl.reshape(w, (BK, row.shape[0]))
 
 
 @triton.jit
@@ -203,9 +183,11 @@ def _gate_up_expert_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, H: 
             k_ok = _k_mask(kk, H, BK)
             xv = tl.load(x_ptr + (pr // K_TOP)[:, None] * H + kk[None, :], mask=ok[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float32)
-            g = tl.dot(xv, _tile_t(d_ptr, s_ptr, e * 2 * I + n, n_ok, k0, H, BK, IS_MX), g, input_precision="tf32")
-            u = tl.dot(xv, _tile_t(d_ptr, s_ptr, e * 2 * I + I + n, n_ok, k0, H, BK, IS_MX), u,
-                       input_precision="tf32")
+            # FP32 weight tiles for a TF32 dot: exact for MXFP8 and BF16 weights (the interpreter's BF16 dot is wrong)
+            gate = kmajor_tile(d_ptr, s_ptr, e * 2 * I + n, n_ok, k0, H, BK, IS_MX, tl.float32)
+            up = kmajor_tile(d_ptr, s_ptr, e * 2 * I + I + n, n_ok, k0, H, BK, IS_MX, tl.float32)
+            g = tl.dot(xv, gate, g, input_precision="tf32")
+            u = tl.dot(xv, up, u, input_precision="tf32")
         rw = tl.load(rw_ptr + pr, mask=ok, other=0.0).to(tl.float32)
         tl.store(act_ptr + pr[:, None] * I + n[None, :], rw[:, None] * g * tl.sigmoid(g) * u,
                  mask=ok[:, None] & n_ok[None, :])
@@ -234,7 +216,7 @@ def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.const
             kk = k0 + kb
             k_ok = _k_mask(kk, I, BK)
             a = tl.load(act_ptr + pr[:, None] * I + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-            w = _tile_t(d_ptr, s_ptr, e * H + h, h_ok, k0, I, BK, IS_MX)
+            w = kmajor_tile(d_ptr, s_ptr, e * H + h, h_ok, k0, I, BK, IS_MX, tl.float32)
             acc = tl.dot(a, w, acc, input_precision="tf32")
         tl.store(part_ptr + pr[:, None] * H + h[None, :], acc, mask=ok[:, None] & h_ok[None, :])
         base += TB
