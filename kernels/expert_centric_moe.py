@@ -95,8 +95,10 @@ def shape_key(E: int, H: int, I: int, k: int) -> str:
     return f"E{E}_H{H}_I{I}_k{k}"
 
 
+@functools.cache
 def device_key(device: torch.device) -> str | None:
-    """'h200' for an "NVIDIA H200"; None off CUDA (the interpreter), where only defaults apply."""
+    """'h200' for an "NVIDIA H200"; None off CUDA (the interpreter), where only defaults apply. Cached: it is
+    asked on every MoE call, and a device's name does not change."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_name(device).lower().removeprefix("nvidia").strip().replace(" ", "_")
