@@ -139,7 +139,8 @@ def test_combine_sums_each_tokens_rows(T, k, H):
     ref = part.view(T, k, H).double().sum(1)
     # One BF16 ulp: the interpreter truncates to BF16 where the GPU rounds.
     assert ((got - ref).abs() <= torch.finfo(torch.bfloat16).eps * ref.abs() + 1e-6).all()
-    assert torch.equal(moe_combine_reference(part, k).float(), got) or DEVICE == "cpu"
+    if DEVICE == "cuda":  # both round to nearest there; the interpreter truncates, checked by the bound above
+        assert torch.equal(moe_combine_reference(part, k).float(), got)
 
 
 def test_combine_names_a_bad_buffer():
