@@ -3,7 +3,6 @@ CUDA IPC channels, and the worker's protocol endpoint (receiver). No Ray here: t
 WeightSync live in composer_rollout.rollout."""
 
 from composer_rollout.sync.receiver import TRANSPORTS, SyncReceiver
-from composer_rollout.sync.requant import requantize
 from composer_rollout.sync.update import StaleVersionError, WeightSyncError, WeightUpdate
 
-__all__ = ["TRANSPORTS", "StaleVersionError", "SyncReceiver", "WeightSyncError", "WeightUpdate", "requantize"]
+__all__ = ["TRANSPORTS", "StaleVersionError", "SyncReceiver", "WeightSyncError", "WeightUpdate"]
