@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,23 @@ def test_bad_update_fails_on_the_trainer_and_every_worker_keeps_serving(pool, te
         assert_bitwise_equal(ray.get(w.weights.remote()), b)
     assert all(s["session"] is None for s in ray.get([w.sync_status.remote() for w in pool.workers]))
     assert pool.generate(prompts(2, 4)) == ref
+
+
+@ray.remote
+def _staged(worker: int, fails: bool) -> int:
+    if fails:
+        raise ValueError(f"bad tensor seen by worker {worker}")
+    return 1
+
+
+def test_a_worker_failing_only_on_a_later_bucket_is_still_named(pool):
+    """Workers stage buckets concurrently, so worker 0 can fail bucket 1 (its session gone, having failed bucket 2
+    first) while worker 1 takes bucket 1 and fails only bucket 2: the trainer still hears both."""
+    sync = WeightSync(pool, transport="object_store")
+    pending = deque([[_staged.remote(0, True), _staged.remote(1, False)],
+                     [_staged.remote(0, True), _staged.remote(1, True)]])
+    with pytest.raises(WeightSyncError, match="worker 0: .*worker 1: .*bad tensor seen by worker 1"):
+        sync._in_flight(pending, None)
 
 
 def test_one_worker_refusing_keeps_every_worker_on_its_version(pool):

@@ -276,21 +276,37 @@ class WeightSync:
         if refs is not None:
             pending.append(refs)
         while len(pending) > (self.max_inflight if refs is not None else 0):
-            self._wait(pending.popleft(), "staging")
+            oldest = pending.popleft()
+            try:
+                self._wait(oldest, "staging")
+            except WeightSyncError:
+                # A worker stages its buckets concurrently: one can fail on bucket i+1 (and so on i) while another
+                # fails only on i+1. Hear every worker's first error before raising.
+                self._wait_each([oldest, *pending], "staging")
+                raise
 
     def _wait(self, refs: list, phase: str) -> list:
-        """Every worker's answer; the first failure (after all answered) as a WeightSyncError naming the worker."""
-        out, errors = [], []
-        for i, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref))
-            except RayTaskError as e:
-                errors.append(f"worker {i}: {getattr(e, 'cause', None) or e}")
-            except RayActorError as e:
-                errors.append(f"worker {i} died or is unreachable ({type(e).__name__})")
+        """Every worker's answer (refs: one call per worker); failures, after all answered, as one WeightSyncError
+        naming each failing worker."""
+        return self._wait_each([refs], phase)[0]
+
+    def _wait_each(self, batches: list[list], phase: str) -> list[list]:
+        """Every worker's answer to each batch of calls; each failing worker's first error, after all answered."""
+        outs, errors = [], {}
+        for refs in batches:
+            out = []
+            for i, ref in enumerate(refs):
+                try:
+                    out.append(ray.get(ref))
+                except RayTaskError as e:
+                    errors.setdefault(i, f"worker {i}: {getattr(e, 'cause', None) or e}")
+                except RayActorError as e:
+                    errors.setdefault(i, f"worker {i} died or is unreachable ({type(e).__name__})")
+            outs.append(out)
         if errors:
-            raise WeightSyncError(f"weight sync to version {self._pushing} failed {phase}: " + "; ".join(errors))
-        return out
+            raise WeightSyncError(f"weight sync to version {self._pushing} failed {phase}: "
+                                  + "; ".join(errors[i] for i in sorted(errors)))
+        return outs
 
     def _abort(self, session: str) -> None:
         self._shared = []
