@@ -1,0 +1,195 @@
+"""Decode attention (S = 1) over the slot KV cache, split-KV ("flash decoding"): the op of
+kernels/attention_reference.py for one query token per row, in two Triton launches.
+
+Shapes: B rows, Hq query heads, Hkv kv heads, G = Hq // Hkv query heads per kv head (GP: G padded to >= 16),
+D head dim, N cache slots (the engine's last one is scratch for padding rows), L positions per slot, NS splits.
+Layout: q [B, 1, Hq, D] bf16; one layer's k, v [N, L, Hkv, D] bf16, contiguous (a key row is Hkv * D
+contiguous elements); slots [B], positions [B, 1] int32/64; out [B, 1, Hq, D] bf16;
+workspace [B, Hq, NS, D + 4] fp32: per (row, query head, split) the split's unnormalised output [..., :D], its
+running max in the log2 domain [..., D] and its sum of exponentials [..., D + 1]; the two spare columns keep rows
+16-byte aligned, so partial stores and loads vectorize.
+Bytes per row (n = min(positions[b] + 1, L) keys): K and V read 2 * n * Hkv * D * 2, q read and out written
+Hq * D * 2 each; with NS > 1 the partials are written and read back once, 2 * NS * Hq * (D + 4) * 4.
+
+Design.
+* Grid (B, Hkv, NS), one program per (row, kv head, split) taking all G query heads of its kv head: each K/V
+  byte is read from HBM once, not G times. Split s of row b takes keys [s * c, (s + 1) * c) with
+  c = ceil(n / NS) rounded up to whole BLOCK_N blocks, clipped to n: the chunk follows the row's own length,
+  so a batch of short rows in a grid sized for long ones still spreads each row over its splits, and programs
+  past a row's length load nothing and write an empty partial (max -inf, sum 0). The grid and every buffer
+  depend only on (B, Hq, Hkv, D, L): no host sync, CUDA-graph capturable.
+* Online softmax in FP32 with exp2 (log2(e) folded into the scale, applied to the FP32 scores so q is not
+  rounded again); QK^T and PV are tl.dot in BF16 with FP32 accumulation (FP32 operands under the interpreter,
+  see mx_tiles.dot_dtype). P is rounded to BF16 for the PV dot, as in FlashAttention.
+* The key loop is an scf.for on the GPU, which Triton software-pipelines (the next block's K and V go to shared
+  memory by 16-byte cp.async while this one is computed: 80 registers at D = 128, against 160 and no overlap
+  for the same body in a while loop), and a while loop under the interpreter, which cannot take range() over a
+  runtime bound. Both run one _step body; the CPU tests exercise the while loop, the GPU test the for loop.
+* A second launch, one program per (row, query head), merges the NS partials in split order (deterministic,
+  no atomics) and rounds once to BF16. With NS == 1 the first launch writes out itself and the workspace is
+  unused (the large-batch regime, where B * Hkv alone fills the GPU).
+* Offsets into the cache are int64 at the slot (N * L * Hkv * D passes 2^31 at 128 slots x 40960 x 4 x 128);
+  within a slot they stay int32 (the launcher checks L * Hkv * D < 2^31).
+* Keys past a row's length are masked at the load (read as 0, their scores set to -inf): whatever the cache
+  holds there, NaN included, never reaches the output. A row with positions[b] < 0 has no keys: out is 0.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_reference import check_attention_args
+from kernels.moe_reference import check_tensor
+from kernels.mx_tiles import dot_dtype
+
+_BLOCK_N = 64  # keys per loop step: K and V tiles of 16 KB each at D = 128, loaded together
+_SMS = 132  # H200
+_MIN_CHUNK_BLOCKS = 4  # the heuristic does not split a slot finer than this many key blocks
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV: tl.constexpr, D: tl.constexpr,
+          BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """One block of keys [j, j + BLOCK_N) clipped to `end` into the online softmax (m_i, l_i, acc)."""
+    kpos = j + tl.arange(0, BLOCK_N)
+    k_ok = kpos < end
+    offs = kpos[:, None] * (HKV * D) + d[None, :]
+    k = tl.load(k_base + offs, mask=k_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs, mask=k_ok[:, None], other=0.0)
+    s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k.to(DOT))) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has at least one key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_scale, L,
+                  HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    n = tl.minimum(tl.load(pos_ptr + b).to(tl.int32) + 1, L)
+    chunk = tl.cdiv(tl.cdiv(n, NS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n)
+
+    # The G heads are the dot's M, padded to 16 rows (zero queries, never stored): on sm_90 a 4-warp M = 16 dot
+    # is an mma.sync m16n8k16 (wgmma needs M = 64), and its spare rows cost tensor-core slots this
+    # bandwidth-bound loop leaves idle. Broadcast-multiply + tl.sum instead holds a [G, BLOCK_N, D] FP32 product:
+    # compiled for sm_90 at G = 8, D = 128 it put 7 KB per thread on the stack (BLOCK_N = 64) or used 255
+    # registers (BLOCK_N = 16), against 80 registers and no stack here.
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    hq = h * G + g
+    g_ok = g < G
+    q = tl.load(q_ptr + (b * (HKV * G) + hq)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(DOT)
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kv_off = slot * L * (HKV * D) + h * D
+    k_base = k_ptr + kv_off
+    v_base = v_ptr + kv_off
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    if PIPELINE:  # see the module docstring; 2 stages: 38 KB of shared memory per program at D = 128
+        for j in tl.range(start, end, BLOCK_N, num_stages=2):
+            m_i, l_i, acc = _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
+    else:
+        j = start
+        while j < end:
+            m_i, l_i, acc = _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
+            j += BLOCK_N
+
+    if NS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row without keys: acc is 0
+        tl.store(out_ptr + (b * (HKV * G) + hq)[:, None] * D + d[None, :], o.to(tl.bfloat16), mask=g_ok[:, None])
+    else:
+        W: tl.constexpr = D + 4
+        row = ws_ptr + ((b * (HKV * G) + hq) * NS + split) * W
+        tl.store(row[:, None] + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(row + D, m_i, mask=g_ok)
+        tl.store(row + D + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(ws_ptr, out_ptr, D: tl.constexpr, NS: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr):
+    W: tl.constexpr = D + 4
+    r = tl.program_id(0)  # b * Hq + query head
+    base = ws_ptr + r * (NS * W)
+    s = tl.arange(0, SP)
+    m = tl.max(tl.load(base + s * W + D, mask=s < NS, other=float("-inf")), axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row without keys: every weight is 0 and out is 0
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    l = tl.zeros([BS], tl.float32)
+    for s0 in range(0, NS, BS):
+        sb = s0 + tl.arange(0, BS)
+        ok = sb < NS
+        w = tl.exp2(tl.load(base + sb * W + D, mask=ok, other=float("-inf")) - m)
+        l += tl.load(base + sb * W + D + 1, mask=ok, other=0.0) * w
+        a = tl.load(base + sb[:, None] * W + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(a * w[:, None], axis=0)
+    lt = tl.sum(l, axis=0)
+    tl.store(out_ptr + r * D + d, (acc / tl.where(lt > 0, lt, 1.0)).to(tl.bfloat16))
+
+
+def default_num_splits(B: int, Hkv: int, L: int) -> int:
+    """Splits per (row, kv head), a pure function of shapes (so one captured graph serves every length):
+    1 when B * Hkv programs already fill the H200's 132 SMs, else enough to reach ~2 programs per SM,
+    capped so that a full slot of L keys gives each split at least _MIN_CHUNK_BLOCKS blocks of keys."""
+    if B * Hkv >= _SMS:
+        return 1
+    return max(1, min(triton.cdiv(2 * _SMS, B * Hkv), L // (_MIN_CHUNK_BLOCKS * _BLOCK_N)))
+
+
+def workspace_shape(B: int, Hq: int, D: int, num_splits: int) -> tuple[int, int, int, int]:
+    """The fp32 workspace's shape: (B, Hq, num_splits, D + 4), see the module docstring."""
+    return (B, Hq, num_splits, D + 4)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, *, scale: float | None = None, num_splits: int | None = None,
+                     out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """out[b, 0, h] = softmax(q[b, 0, h] . K^T * scale) V over the keys of slot slots[b] at positions
+    0..positions[b, 0] (kv head h // G); writes and returns `out` [B, 1, Hq, D] bf16 (allocated when None).
+    scale: default D ** -0.5. num_splits: default default_num_splits(B, Hkv, L). workspace: fp32
+    workspace_shape(B, Hq, D, num_splits), allocated when None and unused when num_splits == 1 (a captured
+    graph passes its own). Slots must be valid cache indices; that is not checked (it would need a host sync)."""
+    check_attention_args(q, k_cache, v_cache, slots, positions)
+    B, S, Hq, D = q.shape
+    N, L, Hkv, _ = k_cache.shape
+    if S != 1:
+        raise ValueError(f"decode_attention takes one query token per row (S = 1), got q with S = {S}")
+    if L * Hkv * D >= 2**31:
+        raise ValueError(f"k_cache slot of {L} x {Hkv} x {D} elements does not fit int32 offsets")
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, L)
+    elif not isinstance(num_splits, int) or not 1 <= num_splits <= 65535:
+        raise ValueError(f"num_splits must be an int in 1..65535, got {num_splits!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    check_tensor("out", out, torch.bfloat16, (B, 1, Hq, D), q.device)
+    shape = workspace_shape(B, Hq, D, num_splits)
+    if B * Hq * num_splits * (D + 4) >= 2**31:
+        raise ValueError(f"num_splits = {num_splits}: the workspace {shape} does not fit int32 offsets")
+    if workspace is not None:
+        check_tensor("workspace", workspace, torch.float32, shape, q.device)
+    elif num_splits > 1:
+        workspace = torch.empty(shape, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out
+    G = Hq // Hkv
+    qk_scale = (D**-0.5 if scale is None else scale) * _LOG2E
+    ws = workspace if num_splits > 1 else out  # unused by the kernel then: one specialization either way
+    _split_kernel[(B, Hkv, num_splits)](q, k_cache, v_cache, slots, positions, ws, out, qk_scale, L,
+                                        HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NS=num_splits,
+                                        BLOCK_N=_BLOCK_N, DOT=dot_dtype(),
+                                        PIPELINE=not triton.knobs.runtime.interpret, num_warps=4)
+    if num_splits > 1:
+        sp = triton.next_power_of_2(num_splits)
+        _combine_kernel[(B * Hq,)](workspace, out, D=D, NS=num_splits, SP=sp, BS=min(sp, 16), num_warps=4)
+    return out
+
