@@ -1,9 +1,9 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | gpu-*
+# bench-sync | bench-attention | bench-decode | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric
+	rl-demo bench-sync gpu-sync gpu-expert-centric bench-attention bench-decode gpu-decode
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -36,6 +36,12 @@ bench-sync:  ## weight sync of a Qwen3-30B-A3B-sized state into a worker: cuda_i
 bench-requant:  ## MXFP8 re-quantization of Qwen3-30B-A3B's expert weights, 1 and 48 layers, against a copy ceiling (GPU)
 	$(PY) jobs/bench_requant.py $(ARGS)
 
+bench-attention:  ## the Triton decode and prefill attention kernels at the Qwen3 shapes, against KV-read and matmul bounds (GPU)
+	$(PY) jobs/bench_attention.py $(ARGS)
+
+bench-decode:  ## the engine's decode steps (CUDA graphs) at batch x context x MoE path, a long-tail run, FP32 agreement (GPU)
+	$(PY) jobs/bench_decode.py $(ARGS)
+
 gpu-foundation:  ## on the GPU machine: CUDA parity tests and the qwen3_30b_a3b preset generating
 	bash jobs/gpu_foundation.sh
 
@@ -50,3 +56,6 @@ gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU wor
 
 gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (needs ray wheels in .whl)
 	bash jobs/gpu_sync.sh
+
+gpu-decode:  ## on the GPU machine: attention kernel tests, CUDA-graph engine tests, bench_attention, bench_decode
+	bash jobs/gpu_decode.sh

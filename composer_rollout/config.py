@@ -22,6 +22,11 @@ class KernelName(StrEnum):
     auto = "auto"
 
 
+class DenseName(StrEnum):
+    torch = "torch"
+    triton = "triton"
+
+
 class WeightDtype(StrEnum):
     bf16 = "bf16"
     mxfp8 = "mxfp8"
@@ -50,22 +55,38 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
+    """name: the MoE experts' path. dense: the rest of each layer, "torch" (the reference ops: RMSNorm, RoPE, math
+    SDPA over each row's whole slot, softmax + top-k router) or "triton" (fused Triton kernels: RMSNorm with the
+    residual add, q/k-norm + RoPE + cache write in one launch, prefill and decode attention reading only each row's
+    own context, router softmax + top-k)."""
+
     name: KernelName = KernelName.torch
+    dense: DenseName = DenseName.torch
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """gpu_memory_fraction: on CUDA, the share of the GPU's memory that weights, activations and the KV cache may
     take; the cache gets max_num_seqs slots of max_model_len tokens, or fewer if fewer fit (engine/memory.py).
-    Unused on CPU, where the cache is max_num_seqs slots."""
+    Unused on CPU, where the cache is max_num_seqs slots.
+    max_prefill_tokens: the prompt tokens one engine step prefills, at most; a longer prompt is prefilled in chunks
+    over several steps, each followed by a decode step of the live sequences (so they never wait for a whole long
+    prompt).
+    cuda_graphs: capture each decode batch bucket as a CUDA graph at start-up and replay it (CUDA and a Triton MoE
+    path only; engine/graphs.py)."""
 
     max_num_seqs: int = 16
     max_model_len: int | None = None
     device: str | None = None  # None: cuda when available, else cpu
     gpu_memory_fraction: float = 0.9
+    max_prefill_tokens: int = 2048
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         check_fraction(self.gpu_memory_fraction)
+        if isinstance(self.max_prefill_tokens, bool) or not isinstance(self.max_prefill_tokens, int) \
+                or self.max_prefill_tokens < 1:
+            raise ValueError(f"engine.max_prefill_tokens={self.max_prefill_tokens!r} must be an int >= 1")
 
 
 DEFAULT_PROMPTS = [[3, 14, 15, 92, 65], [2, 7, 18, 28], [1, 4, 1, 4, 2, 1, 3, 5, 6], [10, 20, 30]]
@@ -217,6 +238,8 @@ class RLDemoConfig:
 
 def build_engine(model: ModelConfig, kernel: KernelConfig, engine: EngineConfig) -> RolloutEngine:
     return RolloutEngine.from_pretrained(
-        model.source, kernel=kernel.name.value, weight_dtype=model.weight_dtype.value, dtype=model.dtype.value,
+        model.source, kernel=kernel.name.value, dense=kernel.dense.value,
+        weight_dtype=model.weight_dtype.value, dtype=model.dtype.value,
         device=engine.device, seed=model.seed, max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
-        gpu_memory_fraction=engine.gpu_memory_fraction)
+        gpu_memory_fraction=engine.gpu_memory_fraction, max_prefill_tokens=engine.max_prefill_tokens,
+        cuda_graphs=engine.cuda_graphs)

@@ -66,7 +66,7 @@ def test_fraction_must_be_in_0_1(fraction):
 
 def test_cpu_engine_keeps_max_num_seqs_slots():
     model = Qwen3MoE(preset("tiny"), dtype=torch.float32, device="cpu").init_random(0)
-    assert kv_slots(model, 5, 64, 0.01) == 5  # the fraction budgets GPU memory only
+    assert kv_slots(model, 5, 64, 0.01, 16) == 5  # the fraction budgets GPU memory only
     eng = RolloutEngine(model, max_num_seqs=5, max_model_len=64, gpu_memory_fraction=0.5)
     assert eng.max_num_seqs == 5 and eng.cache.num_slots == 5
     with pytest.raises(ValueError, match="engine.gpu_memory_fraction"):

@@ -71,6 +71,17 @@ def test_greedy_rows_return_argmax_and_unscaled_logprobs():
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
 
 
+def test_unfiltered_fast_path_gives_the_filtered_paths_tokens_when_no_row_filters():
+    """The engine skips the sort when no row has top_k > 0 or top_p < 1: the same tokens and logprobs."""
+    logits = rand_logits(1, 24, 1000)
+    B = logits.shape[0]
+    temps = torch.tensor([0.0, 0.6, 1.0, 1.7] * 6)
+    args = (temps, torch.zeros(B, dtype=torch.int64), torch.ones(B), torch.arange(B) * 7 + 1, torch.arange(B) * 3)
+    slow, fast = sample(logits, *args), sample(logits, *args, filtered=False)
+    assert torch.equal(slow[0], fast[0]) and torch.equal(slow[1], fast[1])
+    assert len(set(fast[0].tolist())) > 12  # sampled rows, not all argmax
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0), (0.5, 0, 0.6)])
 def test_logprobs_are_full_vocab_log_softmax_of_scaled_logits(temperature, top_k, top_p):
     logits = rand_logits(1, 64, 50)

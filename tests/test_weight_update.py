@@ -50,6 +50,22 @@ def test_every_tensor_kind_lands_exactly(weight_dtype, dtype, layout, src_dtype,
     assert eng.generate([[3, 4, 5]], SamplingParams(max_tokens=3, seed=0))[0].weight_version == 3
 
 
+@pytest.mark.parametrize("weight_dtype,partial", [("mxfp8", False), ("bf16", True)])
+def test_in_place_apply_keeps_every_address_and_lands_the_same_values(weight_dtype, partial):
+    """What an engine with CUDA graphs uses: the graphs read the weights at their captured addresses."""
+    swapped, copied = engine(weight_dtype), engine(weight_dtype)
+    src = named(source_model(9), "hub", torch.float32)
+    src = src[::3] if partial else src
+    addresses = {n: t.data_ptr() for n, t in live_weights(copied.model).items()}
+    sync(swapped, src, version=1, partial=partial)
+    update = copied.begin_update(1, partial=partial)
+    update.add_many(src)
+    update.finalize()
+    update.apply(copied.model, 0, in_place=True)
+    assert {n: t.data_ptr() for n, t in live_weights(copied.model).items()} == addresses
+    assert_bitwise_equal(live_weights(copied.model), live_weights(swapped.model))
+
+
 def test_partial_update_touches_only_what_it_carries():
     eng = engine("mxfp8")
     before = snapshot(eng.model)

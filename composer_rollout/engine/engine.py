@@ -22,29 +22,20 @@ import math
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from composer_rollout.engine.capture import ExpertCapture
+from composer_rollout.engine.graphs import DecodeGraphs
 from composer_rollout.engine.memory import kv_slots
 from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
+from composer_rollout.engine.sequence import EngineStats, Prefill, Request, Sequence, batch_buckets, sample_seed
 from composer_rollout.model import PRESETS, ModelArgs, Qwen3MoE, load_checkpoint, preset
 from composer_rollout.sync.update import WeightUpdate
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-_MASK63 = (1 << 63) - 1
-
-
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes a step is padded to: 1, 2, 4, ..., 32, 48, 64, 96, 128, ..., capped at max_num_seqs."""
-    sizes, m = [1, 2, 4, 8, 16, 32], 32
-    while sizes[-1] < max_num_seqs:
-        sizes += [m + m // 2, 2 * m]
-        m *= 2
-    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
 def resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
@@ -56,82 +47,49 @@ def resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
     return max_len
 
 
-def _sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
-    """A 63-bit seed per sample, fixed by (base, prompt, sample): splitmix64's finaliser."""
-    x = (base + 0x9E3779B97F4A7C15 * (prompt_index + 1) + 0xD1B54A32D192ED03 * (sample_index + 1)) % (1 << 64)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % (1 << 64)
-    return (x ^ (x >> 31)) & _MASK63
-
-
-@dataclass
-class _Request:
-    """A prompt group: n samples that share one prefill and one base seed."""
-
-    request_id: str
-    prompt_index: int
-    prompt: list[int]
-    sampling: SamplingParams
-    seed: int
-    stop: frozenset[int]
-    arrival: float
-
-
-@dataclass
-class _Sequence:
-    request: _Request
-    sample_index: int
-    seed: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[list[int]] = field(default_factory=list)  # [weight version, tokens] spans
-    first_token_time: float = 0.0
-    routing: list[np.ndarray] = field(default_factory=list)  # [tokens, layers, k] chunks, when asked for
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started; the rollout job turns them into throughput metrics."""
-
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-    decode_rows: int = 0  # rows computed, padding included; decode_tokens / decode_rows is the useful fraction
-
-
 class RolloutEngine:
     """Requests in (`add_request`), finished samples out (`step`); `generate` is both in one call."""
 
     def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 gpu_memory_fraction: float = 0.9):
+                 gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048, cuda_graphs: bool = False):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+        if cuda_graphs and model.device.type != "cuda":
+            raise ValueError(f"engine.cuda_graphs needs a CUDA device; the model is on {model.device}")
+        if cuda_graphs and model.kernel == "torch":
+            raise ValueError("engine.cuda_graphs needs a Triton MoE path (kernel=warp_decode, expert_centric or auto): "
+                             "the torch reference path reads routing back to the host and cannot be captured")
         self.max_model_len = resolve_max_model_len(model.args, max_model_len)
-        kv_slots(model, max_num_seqs, self.max_model_len, gpu_memory_fraction)
+        self.max_prefill_tokens = max_prefill_tokens
+        kv_slots(model, max_num_seqs, self.max_model_len, gpu_memory_fraction, max_prefill_tokens, cuda_graphs)
         self.model, self.max_num_seqs = model, max_num_seqs
         self.device = model.device
         self.cache = model.new_kv_cache(max_num_seqs, self.max_model_len)
         self.buckets = batch_buckets(max_num_seqs)
+        self.graphs = DecodeGraphs(model, self.cache, self.buckets) if cuda_graphs else None
         self.weight_version = 0
         self.stats = EngineStats()
         self._rng = random.Random(seed)
-        self._waiting: deque[_Request] = deque()
-        self._live: dict[int, _Sequence] = {}
+        self._waiting: deque[Request] = deque()
+        self._live: dict[int, Sequence] = {}
+        self._prefilling: Prefill | None = None
         self._free = list(range(max_num_seqs))[::-1]
         self._next_id = 0
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, *, kernel: str = "torch", weight_dtype: str = "bf16",
+    def from_pretrained(cls, path_or_preset: str, *, kernel: str = "torch", dense: str = "torch",
+                        weight_dtype: str = "bf16",
                         dtype: str = "bfloat16", device: str | None = None, seed: int = 0,
                         max_num_seqs: int = 16, max_model_len: int | None = None,
-                        gpu_memory_fraction: float = 0.9) -> "RolloutEngine":
+                        gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048,
+                        cuda_graphs: bool = False) -> "RolloutEngine":
         """A checkpoint directory, or a preset name (random init seeded with `seed`)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is unknown; choose one of {sorted(DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        kw = dict(dtype=DTYPES[dtype], device=device, weight_dtype=weight_dtype, kernel=kernel)
+        kw = dict(dtype=DTYPES[dtype], device=device, weight_dtype=weight_dtype, kernel=kernel, dense=dense)
         if Path(path_or_preset).is_dir():
             model = load_checkpoint(path_or_preset, **kw)
         elif path_or_preset in PRESETS:
@@ -140,7 +98,8 @@ class RolloutEngine:
             raise ValueError(f"model {path_or_preset!r} is neither a checkpoint directory nor a preset "
                              f"({sorted(PRESETS)})")
         return cls(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
-                   gpu_memory_fraction=gpu_memory_fraction)
+                   gpu_memory_fraction=gpu_memory_fraction, max_prefill_tokens=max_prefill_tokens,
+                   cuda_graphs=cuda_graphs)
 
     def _check_tokens(self, what: str, seqs: list[list[int]], allow_empty: bool = False) -> None:
         vocab = self.model.args.vocab_size
@@ -153,9 +112,10 @@ class RolloutEngine:
             if bad:
                 raise ValueError(f"{what}[{i}] has token id {bad[0]!r} outside [0, vocab_size={vocab})")
 
-    def _forward_last(self, token_ids: list[int], slot: int, capture: ExpertCapture | None) -> torch.Tensor:
+    def _forward_last(self, token_ids: list[int], start: int, slot: int, capture: ExpertCapture | None):
+        """Tokens at positions start.. of `slot` into its cache; the last one's logits."""
         ids = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(len(token_ids), device=self.device)[None]
+        positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
         hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)
         return self.model.compute_logits(hidden[0, -1])
 
@@ -174,18 +134,25 @@ class RolloutEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         stop = frozenset(self.model.args.eos_token_id) | frozenset(sampling.stop_token_ids)
-        self._waiting.append(_Request(request_id, prompt_index, list(prompt_token_ids), sampling, seed, stop,
+        self._waiting.append(Request(request_id, prompt_index, list(prompt_token_ids), sampling, seed, stop,
                                       time.perf_counter()))
         return request_id
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._live)
+        return bool(self._waiting or self._live or self._prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not admitted yet."""
+        return len(self._waiting)
 
     @property
     def num_live(self) -> int:
-        return len(self._live)
+        """Sequences holding a slot: decoding, or of the request being prefilled (admitted, so a drain waits for
+        them)."""
+        return len(self._live) + (len(self._prefilling.slots) if self._prefilling else 0)
 
-    def _result(self, seq: _Sequence, reason: str, now: float) -> RolloutResult:
+    def _result(self, seq: Sequence, reason: str, now: float) -> RolloutResult:
         req = seq.request
         return RolloutResult(req.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, reason,
                              seq.versions[0][0] if seq.versions else self.weight_version, len(req.prompt),
@@ -197,7 +164,7 @@ class RolloutEngine:
         a = self.model.args
         return ExpertCapture(a.num_hidden_layers, num_tokens, a.num_experts_per_tok, a.num_experts, self.device)
 
-    def _routing(self, seq: _Sequence) -> np.ndarray | None:
+    def _routing(self, seq: Sequence) -> np.ndarray | None:
         if not seq.request.sampling.return_routed_experts:
             return None
         if seq.routing:
@@ -209,11 +176,16 @@ class RolloutEngine:
         now, out = time.perf_counter(), []
         for req in [r for r in self._waiting if r.request_id == request_id]:
             self._waiting.remove(req)
-            out += [self._result(_Sequence(req, j, 0), "abort", now) for j in range(req.sampling.n)]
+            out += [self._result(Sequence(req, j, 0), "abort", now) for j in range(req.sampling.n)]
         return out + self._abort_live(request_id)
 
     def _abort_live(self, request_id: str) -> list[RolloutResult]:
         now, out = time.perf_counter(), []
+        pre = self._prefilling
+        if pre is not None and pre.request.request_id == request_id:
+            out += [self._result(Sequence(pre.request, j, 0), "abort", now) for j in range(len(pre.slots))]
+            self._free += pre.slots
+            self._prefilling = None
         for slot, seq in list(self._live.items()):
             if seq.request.request_id == request_id:
                 out.append(self._result(seq, "abort", now))
@@ -223,8 +195,9 @@ class RolloutEngine:
 
     def abort_all(self) -> list[RolloutResult]:
         """Abort every live sequence (a weight swap in mode "abort"); waiting requests stay queued."""
-        return [r for rid in dict.fromkeys(seq.request.request_id for seq in self._live.values())
-                for r in self._abort_live(rid)]
+        ids = [seq.request.request_id for seq in self._live.values()]
+        ids += [self._prefilling.request.request_id] if self._prefilling else []
+        return [r for rid in dict.fromkeys(ids) for r in self._abort_live(rid)]
 
     def begin_update(self, version: int, *, partial: bool = False) -> WeightUpdate:
         """A WeightUpdate to stage into while this engine keeps serving; `version` must exceed the served one."""
@@ -234,7 +207,8 @@ class RolloutEngine:
         """Swap a finalized update in, between steps, and serve its version from the next token on. Live sequences
         continue on the new weights with their KV cache as it is (computed by the old ones); each result's
         weight_versions records which tokens came from which version."""
-        update.apply(self.model, self.weight_version)
+        # Captured graphs read the weights where they were: copy into them rather than swapping pointers.
+        update.apply(self.model, self.weight_version, in_place=self.graphs is not None)
         self.weight_version = update.version
 
     def _append(self, slots: list[int], tokens: list[int], logprobs: list[float]) -> list[RolloutResult]:
@@ -258,50 +232,73 @@ class RolloutEngine:
                 self._free.append(slot)
         return finished
 
-    def _sampling_rows(self, seqs: list[_Sequence], rows: int):
-        """Per-row sampling tensors; padding rows are greedy with seed 0."""
-        pad = rows - len(seqs)
-        dev = self.device
-        temp = torch.tensor([float(s.request.sampling.temperature) for s in seqs] + [0.0] * pad, device=dev)
-        top_k = torch.tensor([s.request.sampling.top_k for s in seqs] + [0] * pad, device=dev, dtype=torch.int64)
-        top_p = torch.tensor([float(s.request.sampling.top_p) for s in seqs] + [1.0] * pad, device=dev)
-        seeds = torch.tensor([s.seed for s in seqs] + [0] * pad, device=dev, dtype=torch.int64)
-        steps = torch.tensor([len(s.token_ids) for s in seqs] + [0] * pad, device=dev, dtype=torch.int64)
-        return temp, top_k, top_p, seeds, steps
+    def _step_inputs(self, seqs: list[Sequence], rows: int, extra: list[list[int]] = ()):
+        """A step's per-row tensors in two host-to-device copies (one int64, one fp32) rather than one per field:
+        (temperature, top_k, top_p, seeds, steps) for sampling, whether any row filters (top-k or top-p), then the
+        `extra` int rows (each `rows` long). Padding rows are greedy with seed 0."""
+        pad = [0] * (rows - len(seqs))
+        ints = torch.tensor([[s.request.sampling.top_k for s in seqs] + pad, [s.seed for s in seqs] + pad,
+                             [len(s.token_ids) for s in seqs] + pad, *extra], dtype=torch.int64, device=self.device)
+        floats = torch.tensor([[float(s.request.sampling.temperature) for s in seqs] + [0.0] * len(pad),
+                               [float(s.request.sampling.top_p) for s in seqs] + [1.0] * len(pad)],
+                              dtype=torch.float32, device=self.device)
+        filtered = any(s.request.sampling.top_k > 0 or s.request.sampling.top_p < 1 for s in seqs)
+        return (floats[0], ints[0], floats[1], ints[1], ints[2]), filtered, ints[3:]
 
-    def _prefill(self, req: _Request) -> list[RolloutResult]:
-        start = time.perf_counter()
-        n = req.sampling.n
-        slots = [self._free.pop() for _ in range(n)]
-        capture = self._capture(len(req.prompt)) if req.sampling.return_routed_experts else None
-        logits = self._forward_last(req.prompt, slots[0], capture)
-        self.cache.copy_prefix(slots[0], slots[1:], len(req.prompt))
-        seqs = [_Sequence(req, j, _sample_seed(req.seed, req.prompt_index, j)) for j in range(n)]
-        self._live.update(zip(slots, seqs, strict=True))
-        tokens, logprobs = sample(logits.expand(n, -1), *self._sampling_rows(seqs, n))
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        if capture is not None:  # one prefill, so one prompt routing for the whole group
-            prompt_routing = capture.all_rows()
-            for seq in seqs:
-                seq.routing.append(prompt_routing)
-        finished = self._append(slots, tokens, logprobs)
-        self.stats.prefill_tokens += len(req.prompt)
-        self.stats.prefill_s += time.perf_counter() - start
-        return finished
+    def _prefill_chunk(self, budget: int) -> tuple[int, list[RolloutResult]]:
+        """The next chunk (at most `budget` tokens) of the request being prefilled; after its last chunk the prompt's
+        KV goes to the group's other slots, each sample draws its first token and goes live. Returns (tokens,
+        finished samples)."""
+        start_time, pre = time.perf_counter(), self._prefilling
+        req = pre.request
+        size = min(budget, pre.remaining)
+        chunk = req.prompt[pre.done:pre.done + size]
+        capture = self._capture(size) if req.sampling.return_routed_experts else None
+        logits = self._forward_last(chunk, pre.done, pre.slots[0], capture)
+        pre.done += size
+        if capture is not None:
+            pre.routing.append(capture.all_rows())
+        finished = []
+        if not pre.remaining:
+            n, slots = req.sampling.n, pre.slots
+            self.cache.copy_prefix(slots[0], slots[1:], len(req.prompt))
+            seqs = [Sequence(req, j, sample_seed(req.seed, req.prompt_index, j)) for j in range(n)]
+            self._live.update(zip(slots, seqs, strict=True))
+            self._prefilling = None
+            params, filtered, _ = self._step_inputs(seqs, n)
+            tokens, logprobs = sample(logits.expand(n, -1), *params, filtered=filtered)
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
+            if capture is not None:  # one prefill, so one prompt routing for the whole group
+                prompt_routing = np.concatenate(pre.routing)
+                for seq in seqs:
+                    seq.routing.append(prompt_routing)
+            finished = self._append(slots, tokens, logprobs)
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so that prefill_s times the chunk, as the final one (.tolist())
+        self.stats.prefill_tokens += size
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_s += time.perf_counter() - start_time
+        return size, finished
 
     def _decode(self) -> list[RolloutResult]:
         start = time.perf_counter()
         slots = list(self._live)
         seqs = [self._live[s] for s in slots]
         rows = next(b for b in self.buckets if b >= len(slots))
-        pad, dev = rows - len(slots), self.device
-        ids = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * pad, device=dev)
-        pos = torch.tensor([len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs] + [0] * pad, device=dev)
-        slot_t = torch.tensor(slots + [self.cache.scratch_slot] * pad, device=dev)
+        pad = rows - len(slots)
+        params, filtered, (ids, pos, slot_t) = self._step_inputs(seqs, rows, [
+            [s.token_ids[-1] for s in seqs] + [0] * pad,
+            [len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs] + [0] * pad,
+            slots + [self.cache.scratch_slot] * pad])
         asked = [i for i, s in enumerate(seqs) if s.request.sampling.return_routed_experts]
-        capture = self._capture(rows) if asked else None
-        hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache, capture)
-        tokens, logprobs = sample(self.model.compute_logits(hidden[:, 0]), *self._sampling_rows(seqs, rows))
+        if self.graphs is not None:
+            logits, capture = self.graphs.run(ids[:, None], pos[:, None], slot_t)
+            capture = capture if asked else None
+        else:
+            capture = self._capture(rows) if asked else None
+            hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache, capture)
+            logits = self.model.compute_logits(hidden[:, 0])
+        tokens, logprobs = sample(logits, *params, filtered=filtered)
         tokens, logprobs = tokens[: len(slots)].tolist(), logprobs[: len(slots)].tolist()
         if capture is not None:  # read after the tokens: the step has synchronised already
             for i, row in zip(asked, capture.rows(asked), strict=True):
@@ -315,11 +312,20 @@ class RolloutEngine:
 
     @torch.inference_mode()
     def step(self, admit: bool = True) -> list[RolloutResult]:
-        """Admit waiting groups while their n slots are free (one prefill each; none when `admit` is False, as while
-        draining for a weight swap), then one decode step over every live sequence. Returns the finished samples."""
-        finished = []
-        while admit and self._waiting and len(self._free) >= self._waiting[0].sampling.n:
-            finished += self._prefill(self._waiting.popleft())
+        """Prefill up to max_prefill_tokens prompt tokens: the request in progress first, then waiting groups in
+        order while their n slots are free (none when `admit` is False, as while draining for a weight swap; a
+        request already in progress is finished). Then one decode step over every live sequence. Returns the
+        finished samples."""
+        finished, budget = [], self.max_prefill_tokens
+        while budget > 0:
+            if self._prefilling is None:
+                if not (admit and self._waiting and len(self._free) >= self._waiting[0].sampling.n):
+                    break
+                req = self._waiting.popleft()
+                self._prefilling = Prefill(req, [self._free.pop() for _ in range(req.sampling.n)])
+            used, done = self._prefill_chunk(budget)
+            budget -= used
+            finished += done
         if self._live:
             finished += self._decode()
         return finished

@@ -6,10 +6,11 @@ limit ends with finish_reason "length". So once the engine has started, no reque
 the only question is how many slots to allocate, and it is answered here, before any work.
 
 On CUDA the budget is `gpu_memory_fraction` of the device's total memory, minus the weights and an activation
-reserve measured by running the largest forwards the engine will run (a prefill of max_model_len - 1 tokens and
-a decode step of max_num_seqs rows with sampling) against a one-slot cache. The engine gets max_num_seqs slots;
-when fewer fit it fails at start-up, naming the fields to change and how many would fit. On CPU the
-cache is sized from max_num_seqs * max_model_len as before: host memory is not ours to budget.
+reserve measured by running the largest forwards the engine will run (a prefill chunk of min(max_prefill_tokens,
+max_model_len - 1) tokens and a decode step of max_num_seqs rows with sampling) against a one-slot cache. The
+engine gets max_num_seqs slots; when fewer fit it fails at start-up, naming the fields to change and how many
+would fit. On CPU the cache is sized from max_num_seqs * max_model_len as before: host memory is not ours to
+budget.
 
 The arithmetic is a pure function of numbers (`plan_kv_slots`) so that it is tested without a GPU.
 """
@@ -60,18 +61,25 @@ def check_fraction(gpu_memory_fraction: float) -> None:
 
 
 @torch.inference_mode()
-def measure_activation_reserve(model, max_num_seqs: int, max_model_len: int) -> int:
-    """Peak bytes above the weights of the engine's largest forwards, on a one-slot cache (CUDA only)."""
+def measure_activation_reserve(model, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int,
+                               cuda_graphs: bool = False) -> int:
+    """Peak bytes above the weights of the engine's largest forwards, on a one-slot cache (CUDA only). With CUDA
+    graphs the decode step's activations stay allocated (the graphs' pool) while prefills run: the two peaks add."""
     dev = model.device
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     probe = model.new_kv_cache(1, max_model_len)
-    length = max_model_len - 1
-    hidden = model(torch.zeros(1, length, dtype=torch.long, device=dev), torch.arange(length, device=dev)[None],
+    length = min(max_prefill_tokens, max_model_len - 1)
+    # The last chunk of the longest prompt: its queries see the whole context.
+    positions = torch.arange(max_model_len - 1 - length, max_model_len - 1, device=dev)[None]
+    hidden = model(torch.zeros(1, length, dtype=torch.long, device=dev), positions,
                    torch.zeros(1, dtype=torch.long, device=dev), probe)
     model.compute_logits(hidden[0, -1:])
     del hidden
+    torch.cuda.synchronize(dev)
+    prefill_peak = torch.cuda.max_memory_allocated(dev) - base - probe.nbytes
+    torch.cuda.reset_peak_memory_stats(dev)
     # Every decode row on the scratch slot: same shapes as a full batch, no live cache touched.
     rows = torch.full((max_num_seqs,), probe.scratch_slot, device=dev)
     zeros = torch.zeros(max_num_seqs, 1, dtype=torch.long, device=dev)
@@ -79,13 +87,15 @@ def measure_activation_reserve(model, max_num_seqs: int, max_model_len: int) -> 
     ones, none = torch.ones(max_num_seqs, device=dev), torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
     sample(logits, ones, none, ones, none, none)
     torch.cuda.synchronize(dev)
-    reserve = torch.cuda.max_memory_allocated(dev) - base - probe.nbytes
+    decode_peak = torch.cuda.max_memory_allocated(dev) - base - probe.nbytes
+    reserve = prefill_peak + decode_peak if cuda_graphs else max(prefill_peak, decode_peak)
     del probe, logits
     torch.cuda.empty_cache()
     return max(reserve, 0)
 
 
-def kv_slots(model, max_num_seqs: int, max_model_len: int, gpu_memory_fraction: float) -> int:
+def kv_slots(model, max_num_seqs: int, max_model_len: int, gpu_memory_fraction: float,
+             max_prefill_tokens: int, cuda_graphs: bool = False) -> int:
     """max_num_seqs, checked against the memory budget on CUDA (plan_kv_slots raises when it does not fit); on
     the CPU, max_num_seqs as is."""
     check_fraction(gpu_memory_fraction)
@@ -94,6 +104,7 @@ def kv_slots(model, max_num_seqs: int, max_model_len: int, gpu_memory_fraction: 
     return plan_kv_slots(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, gpu_memory_fraction=gpu_memory_fraction,
         total_bytes=torch.cuda.mem_get_info(model.device)[1], weights_bytes=model.memory_bytes(),
-        reserve_bytes=measure_activation_reserve(model, max_num_seqs, max_model_len),
+        reserve_bytes=measure_activation_reserve(model, max_num_seqs, max_model_len, max_prefill_tokens,
+                                                 cuda_graphs),
         bytes_per_token_per_layer=kv_bytes_per_token_per_layer(model.args, model.dtype),
         num_layers=model.args.num_hidden_layers)

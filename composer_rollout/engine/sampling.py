@@ -121,13 +121,19 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 and per-row params [B] -> (tokens [B] int64, logprobs [B] fp32)."""
+           seeds: torch.Tensor, steps: torch.Tensor, *, filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 and per-row params [B] -> (tokens [B] int64, logprobs [B] fp32). filtered=False skips the
+    top-k / top-p machinery (a sort of every row over the vocabulary): the caller knows from the host-side params
+    that no row has top_k > 0 or top_p < 1, and the result is then the same."""
     greedy = temperature == 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / scale[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     V = logits.shape[-1]
+    if not filtered:
+        sampled = torch.argmax(scaled + gumbel_noise(seeds, steps, V), dim=-1)
+        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+        return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
     keep = (top_k[:, None] == 0) | (rank < top_k[:, None])

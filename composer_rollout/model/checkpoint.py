@@ -91,10 +91,10 @@ class _ExpertAssembler:
 
 
 def load_checkpoint(path: str | Path, *, dtype=torch.bfloat16, device="cpu", weight_dtype="bf16",
-                    kernel="torch") -> Qwen3MoE:
+                    kernel="torch", dense="torch") -> Qwen3MoE:
     path = Path(path)
     args = read_args(path)
-    model = Qwen3MoE(args, dtype=dtype, device=device, weight_dtype=weight_dtype, kernel=kernel)
+    model = Qwen3MoE(args, dtype=dtype, device=device, weight_dtype=weight_dtype, kernel=kernel, dense=dense)
     dense = model.hf_dense_weights()
     names = WeightNames.of(model)
     filled: set[str] = set()

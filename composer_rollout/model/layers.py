@@ -10,12 +10,26 @@ head_dim] per layer. One code path serves prefill (one slot, S new tokens), deco
 token each) and teacher-forced scoring: new keys go to (slot, position), and every query attends to
 all cached positions <= its own. Shapes depend only on (B, S) and the cache size, never on the
 lengths inside the batch, so a decode step can be captured in a CUDA graph per batch bucket.
+
+Two backends ("dense", as they cover a layer's ops outside the MoE experts): "torch", the reference ops (math
+SDPA over the whole slot, masked: every row reads max_len keys), and "triton", fused kernels where a decode step
+would otherwise run dozens of tiny launches per layer: RMSNorm with its residual add (kernels/rmsnorm.py), q/k-norm
++ RoPE + the cache write (kernels/qk_norm_rope.py, computed in FP32 and rounded once), and attention
+(kernels/prefill_attention.py for S > 1, kernels/decode_attention.py for S = 1: each row reads only its own keys,
+FP32 softmax and accumulation).
+
+The residual stream is passed as (block output, residual before it) so that the add and the next norm are one
+launch; the torch backend computes the same sums in the same BF16 order.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm
+
+DENSE_BACKENDS = ("torch", "triton")
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +42,16 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool):
+        """(norm(x + residual), x + residual), or (norm(x), x) when residual is None; fused: one Triton launch."""
+        if not fused:
+            x = x if residual is None else x + residual
+            return self(x), x
+        shape = x.shape
+        flat = None if residual is None else residual.view(-1, shape[-1])
+        normed, summed = rms_norm(x.view(-1, shape[-1]), self.weight, self.eps, flat)
+        return normed.view(shape), (x if summed is None else summed.view(shape))
 
 
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
@@ -72,9 +96,11 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, eps, dtype, device):
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, eps, dtype, device, backend: str = "torch"):
         super().__init__()
+        check_dense(backend)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.backend = backend
 
         def linear(out_features, in_features):
             return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device).requires_grad_(False)
@@ -89,6 +115,8 @@ class Attention(nn.Module):
     def forward(self, x, positions, slots, layer: int, cache: KVCache, inv_freq):
         """x [B, S, H], positions [B, S], slots [B] -> [B, S, H]; writes this layer's cache rows."""
         B, S, _ = x.shape
+        if self.backend == "triton":
+            return self._fused(x, positions, slots, layer, cache, inv_freq)
         q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
@@ -105,3 +133,21 @@ class Attention(nn.Module):
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+    def _fused(self, x, positions, slots, layer, cache, inv_freq):
+        # The launchers refuse what they cannot run (FP32 activations, CPU tensors outside Triton's interpreter).
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions, slots,
+                         k_cache, v_cache)
+        attend = decode_attention if S == 1 else prefill_attention
+        out = attend(q, k_cache, v_cache, slots, positions)
+        return self.o_proj(out.view(B, S, self.num_heads * self.head_dim))
+
+
+def check_dense(backend: str) -> None:
+    if backend not in DENSE_BACKENDS:
+        raise ValueError(f"dense backend {backend!r} is unknown; choose one of {DENSE_BACKENDS}")

@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import MXFP8Tensor, auto_moe, expert_centric_moe, moe_reference, warp_decode_moe
+from kernels import (
+    MXFP8Tensor,
+    auto_moe,
+    expert_centric_moe,
+    moe_reference,
+    router_topk,
+    router_topk_reference,
+    warp_decode_moe,
+)
 
 MoEPath = Callable[..., torch.Tensor]
 
@@ -52,13 +60,12 @@ def resolve_kernel_path(name: str) -> MoEPath:
     raise ValueError(f"kernel {name!r} is unknown; choose one of {sorted(KERNEL_PATHS)}")
 
 
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 softmax over experts, top-k, optional renormalisation -> (weights [T, k] fp32, ids [T, k])."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, fused: bool = False):
+    """FP32 softmax over experts, top-k, optional renormalisation -> (weights [T, k] fp32, ids [T, k]); fused: one
+    Triton launch (kernels/router_topk.py) instead of the torch ops."""
+    if fused:
+        return router_topk(router_logits, top_k, norm_topk_prob)
+    return router_topk_reference(router_logits, top_k, norm_topk_prob)
 
 
 class SparseMoE(nn.Module):
@@ -66,6 +73,7 @@ class SparseMoE(nn.Module):
                  moe_fn: MoEPath):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.moe_fn = top_k, norm_topk_prob, moe_fn
+        self.fused_router = False
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device).requires_grad_(False)
         # Plain attributes, not parameters: either form (dense or MXFP8Tensor) is swapped in whole.
         # They start as meta tensors (shape only, no memory) until the model's set_experts fills them.
@@ -79,7 +87,7 @@ class SparseMoE(nn.Module):
         expert ids when the engine asks for them."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = route(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob)
+        weights, ids = route(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob, self.fused_router)
         if capture is not None:
             capture.record(layer, ids)
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer_rollout.model.args import ModelArgs
-from composer_rollout.model.layers import Attention, KVCache, RMSNorm, rope_inv_freq
+from composer_rollout.model.layers import Attention, KVCache, RMSNorm, check_dense, rope_inv_freq
 from composer_rollout.model.moe import SparseMoE, resolve_kernel_path
 from kernels import MXFP8Tensor, mxfp8_quantize
 
@@ -24,38 +24,68 @@ WEIGHT_DTYPES = ("bf16", "mxfp8")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype, device, moe_fn):
+    def __init__(self, args: ModelArgs, dtype, device, moe_fn, dense: str):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.self_attn = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                   args.head_dim, args.rms_norm_eps, dtype, device)
+                                   args.head_dim, args.rms_norm_eps, dtype, device, dense)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
                              args.num_experts_per_tok, args.norm_topk_prob, dtype, device, moe_fn)
+        self.set_dense(dense)
 
-    def forward(self, x, positions, slots, layer, cache, inv_freq, capture=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, slots, layer, cache, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x), layer, capture)
+    def set_dense(self, dense: str) -> None:
+        check_dense(dense)
+        self.fused = dense == "triton"
+        self.self_attn.backend = dense
+        self.mlp.fused_router = self.fused
+
+    def forward(self, x, residual, positions, slots, layer, cache, inv_freq, capture=None):
+        """(the previous block's output, the residual stream before it; None at layer 0) -> the same pair."""
+        h, residual = self.input_layernorm.add_norm(x, residual, self.fused)
+        h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual, self.fused)
+        return self.mlp(h, layer, capture), residual
 
 
 class Qwen3MoE(nn.Module):
     """weight_dtype: "bf16" keeps experts dense in the model dtype (FP32 when dtype is float32, for
-    reference runs); "mxfp8" stores them as MXFP8Tensor. Attention, router and lm_head stay dense."""
+    reference runs); "mxfp8" stores them as MXFP8Tensor. Attention, router and lm_head stay dense.
+    kernel: the MoE experts' path (composer_rollout.model.moe); dense: everything else in a layer, "torch" (the
+    reference ops) or "triton" (fused Triton kernels: composer_rollout.model.layers).
+    """
 
-    def __init__(self, args: ModelArgs, *, dtype=torch.bfloat16, device="cpu", weight_dtype="bf16", kernel="torch"):
+    def __init__(self, args: ModelArgs, *, dtype=torch.bfloat16, device="cpu", weight_dtype="bf16", kernel="torch",
+                 dense="torch"):
         super().__init__()
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype {weight_dtype!r} is unknown; choose one of {WEIGHT_DTYPES}")
         self.args, self.dtype, self.device = args, dtype, torch.device(device)
-        self.weight_dtype, self.kernel = weight_dtype, kernel
+        self.weight_dtype, self.kernel, self.dense = weight_dtype, kernel, dense
         moe_fn = resolve_kernel_path(kernel)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(args, dtype, device, moe_fn) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, dtype, device, moe_fn, dense)
+                                    for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(
             args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device).requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, device), persistent=False)
+
+    def set_paths(self, *, kernel: str | None = None, dense: str | None = None) -> "Qwen3MoE":
+        """Switch the MoE kernel path and/or the dense backend in place (the weights stay): for comparing paths on
+        one set of weights. CUDA graphs captured before hold the old paths: capture again."""
+        if dense is not None:
+            check_dense(dense)
+        moe_fn = resolve_kernel_path(kernel) if kernel is not None else None
+        for layer in self.layers:
+            if moe_fn is not None:
+                layer.mlp.moe_fn = moe_fn
+            if dense is not None:
+                layer.set_dense(dense)
+        self.kernel = kernel or self.kernel
+        self.dense = dense or self.dense
+        return self
 
     def hf_dense_weights(self) -> dict[str, torch.Tensor]:
         """Every non-expert tensor under its Hugging Face name (tied lm_head omitted, as HF saves it)."""
@@ -96,10 +126,10 @@ class Qwen3MoE(nn.Module):
                 cache: KVCache, capture=None) -> torch.Tensor:
         """input_ids, positions [B, S]; slots [B] -> final hidden states [B, S, H] (after the last norm).
         `capture` (an ExpertCapture over B * S tokens, or None) records every layer's routed expert ids."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, slots, i, cache, self.inv_freq, capture)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, slots, i, cache, self.inv_freq, capture)
+        return self.norm.add_norm(x, residual, self.dense == "triton")[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -74,6 +74,14 @@ def _empty_like(w):
     return torch.empty_like(w)
 
 
+def _copy_into(live, staged) -> None:
+    if isinstance(live, MXFP8Tensor):
+        live.data.copy_(staged.data)
+        live.scales.copy_(staged.scales)
+    else:
+        live.copy_(staged)
+
+
 def _clone(w):
     return MXFP8Tensor(w.data.clone(), w.scales.clone()) if isinstance(w, MXFP8Tensor) else w.clone()
 
@@ -258,8 +266,10 @@ class WeightUpdate:
             self._ok = True
             return {"version": self.version, "tensors": self.num_tensors, "bytes": self.nbytes}
 
-    def apply(self, model, current_version: int) -> None:
-        """Swap the staged tensors into `model` (between engine steps); nothing can fail after the version check."""
+    def apply(self, model, current_version: int, *, in_place: bool = False) -> None:
+        """Swap the staged tensors into `model` (between engine steps); nothing can fail after the version check.
+        in_place: copy them into the live tensors instead (on the current stream, so ordered with the engine's
+        work), for an engine whose CUDA graphs read the weights at fixed addresses."""
         if self.state != "finalized" or not self._ok:
             raise WeightSyncError(f"weight update to version {self.version} was not finalized successfully")
         if model is not self.model:
@@ -267,9 +277,15 @@ class WeightUpdate:
         check_version(self.version, current_version)
         live = model.hf_dense_weights()
         for name, t in self.dense.items():
-            live[name].data = t
+            if in_place:
+                live[name].data.copy_(t)
+            else:
+                live[name].data = t
         for (layer, which), t in self.experts.items():
-            setattr(model.layers[layer].mlp, which, t)
+            if in_place:
+                _copy_into(getattr(model.layers[layer].mlp, which), t)
+            else:
+                setattr(model.layers[layer].mlp, which, t)
         self.dense.clear()
         self.experts.clear()
         self.state = "applied"

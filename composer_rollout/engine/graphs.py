@@ -1,0 +1,78 @@
+"""Decode steps as CUDA graphs: one graph per batch bucket, captured at engine start-up, replayed every step.
+
+At small batch a decode step of an MoE model is hundreds of short kernels (per layer: norms, four projections,
+RoPE, the cache write, attention, the router, two or three MoE launches); launched from Python one by one, the
+host is the bottleneck. A graph launches them all in one call. What a graph needs, the engine already keeps:
+a step's tensors have a static shape per bucket (padding rows decode on the scratch slot), and nothing inside
+the forward reads back to the host.
+
+What is captured: the model's forward of one token per row and the FP32 logits of the last hidden state, plus
+the routed-expert ids of every row (an ExpertCapture of the bucket's rows: one small copy per layer, recorded
+always, read only for the sequences that asked). Sampling runs after the replay, eagerly: its filtering
+depends on the rows' parameters, and it is a handful of launches.
+
+The graphs read the weights at the addresses they had at capture, so a weight update must be copied into the
+live tensors (WeightUpdate.apply(..., in_place=True)), never swapped by pointer. Buckets are captured largest
+first into one memory pool, which the smaller ones reuse.
+
+The torch MoE path (kernels.moe_reference) reads routing back to the host and cannot be captured: the engine
+refuses cuda_graphs with kernel=torch before any work.
+"""
+
+import time
+
+import torch
+
+from composer_rollout.engine.capture import ExpertCapture
+
+
+class DecodeGraphs:
+    """Captured decode steps for each batch size in `buckets`; `run` replays the one for the inputs' rows."""
+
+    def __init__(self, model, cache, buckets: list[int], warmup: int = 2):
+        if model.device.type != "cuda":
+            raise ValueError(f"engine.cuda_graphs needs a CUDA device; the model is on {model.device}")
+        start = time.perf_counter()
+        self.model, self.cache, self.pool = model, cache, torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, tuple] = {}
+        a, dev = model.args, model.device
+        for rows in sorted(buckets, reverse=True):
+            ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+            positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+            slots = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=dev)
+            capture = ExpertCapture(a.num_hidden_layers, rows, a.num_experts_per_tok, a.num_experts, dev)
+            # Warm-up outside the graph, on a side stream as torch requires: Triton compiles and autotunes, cuBLAS
+            # makes its workspaces; none of that may happen during capture.
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self._forward(ids, positions, slots, capture)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(ids, positions, slots, capture)
+            self._graphs[rows] = (graph, ids, positions, slots, capture, logits)
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - start
+
+    def _forward(self, ids, positions, slots, capture) -> torch.Tensor:
+        hidden = self.model(ids, positions, slots, self.cache, capture)
+        return self.model.compute_logits(hidden[:, 0])
+
+    @property
+    def buckets(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+        """ids, positions [rows, 1], slots [rows] for a captured bucket size -> (logits [rows, V] fp32, the
+        ExpertCapture of the step). Both are the graph's own buffers: read them before the next replay."""
+        rows = ids.shape[0]
+        if rows not in self._graphs:
+            raise ValueError(f"no decode graph for {rows} rows; captured: {self.buckets}")
+        graph, g_ids, g_positions, g_slots, capture, logits = self._graphs[rows]
+        g_ids.copy_(ids)
+        g_positions.copy_(positions)
+        g_slots.copy_(slots)
+        graph.replay()
+        return logits, capture

@@ -1,0 +1,30 @@
+"""jobs/bench_decode.py end to end at toy sizes on the CPU (Triton's interpreter, no CUDA graphs): every section
+runs and the table, the JSON line and the PNG come out. Its numbers are meaningless here; this keeps the GPU
+benchmark from rotting between device sessions."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_decode_runs_every_section(tmp_path):
+    cmd = [sys.executable, "-m", "jobs.bench_decode", "--device", "cpu", "--preset", "tiny", "--batches", "1,2",
+           "--contexts", "9", "--kernels", "warp_decode,expert_centric", "--reps", "1", "--longtail-slots", "2",
+           "--longtail-requests", "3", "--longtail-max", "4", "--longtail-prompt-len", "3", "--accuracy-prompts",
+           "1", "--accuracy-tokens", "3", "--accuracy-prompt-len", "4", "--out", str(tmp_path)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary["roofline_frac"]) == {f"{k}/B{b}/c9" for k in ("warp_decode", "expert_centric")
+                                              for b in (1, 2)}
+    assert set(summary["warp_vs_expert_centric"]) == {"B1/c9"}
+    assert summary["longtail"]["requests"] == 3 and 0 < summary["longtail"]["occupancy"] <= 1
+    assert summary["accuracy"]["mean_abs_dlogprob"] < 0.05  # BF16 + MXFP8 engine against its FP32 twin
+    assert (tmp_path / "bench_decode.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["step_ms"] > 0 and 0 < r["roofline_ms"] < r["step_ms"] for r in rows)

@@ -1,0 +1,81 @@
+"""Chunked prefill (engine.max_prefill_tokens): a long prompt is prefilled over several steps, each followed by a
+decode step of the live sequences; the samples, logprobs and routed experts are those of a one-chunk prefill;
+abort and drain see the request in progress."""
+
+import numpy as np
+import pytest
+import torch
+
+from composer_rollout.config import EngineConfig
+from composer_rollout.engine import RolloutEngine, SamplingParams
+
+ARGS = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=4)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def drain(engine) -> list:
+    out = []
+    while engine.has_unfinished():
+        out += engine.step()
+    return sorted(out, key=lambda r: (r.prompt_index, r.sample_index))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_gives_the_samples_of_one_prefill(chunk):
+    ps = [prompt(1, 50), prompt(2, 9), prompt(3, 33)]
+    sampling = SamplingParams(temperature=0.9, max_tokens=5, n=2, seed=11, return_routed_experts=True)
+    whole = RolloutEngine.from_pretrained("tiny", **ARGS).generate(ps, sampling)
+    engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=chunk, **ARGS)
+    chunked = engine.generate(ps, sampling)
+    assert engine.stats.prefill_chunks >= sum(-(-len(p) // chunk) for p in ps)
+    assert engine.stats.prefill_tokens == sum(len(p) for p in ps)
+    assert [r.token_ids for r in chunked] == [r.token_ids for r in whole]
+    for a, b in zip(chunked, whole, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert a.routed_experts.shape == (a.num_prompt_tokens + len(a.token_ids) - 1, 2, 4)
+        # A near-tie of router logits may flip between chunkings (FP32 rounding); anything more is a bug.
+        assert (a.routed_experts != b.routed_experts).mean() < 0.01
+
+
+def test_live_sequences_decode_while_a_long_prompt_is_prefilled():
+    engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=8, **ARGS)
+    short = SamplingParams(temperature=0.0, max_tokens=30)
+    engine.add_request(prompt(4, 5), short, prompt_index=0, request_id="short")
+    engine.step()  # the short prompt's whole prefill, then its first decode
+    engine.add_request(prompt(5, 60), SamplingParams(temperature=0.0, max_tokens=3, n=2), prompt_index=1,
+                       request_id="long")
+    decoded = engine.stats.decode_tokens
+    for i in range(1, 8):  # 60 tokens at 8 a step: the long prompt is in progress for 8 steps
+        engine.step()
+        assert engine.stats.decode_tokens == decoded + i  # the short sequence got a token every step
+        assert engine.num_live == 3  # 1 decoding + the 2 slots of the request in progress
+    done = drain(engine)
+    assert {r.request_id for r in done} == {"short", "long"}
+    alone = RolloutEngine.from_pretrained("tiny", **ARGS).generate([prompt(5, 60)],
+                                                                  SamplingParams(temperature=0.0, max_tokens=3, n=2))
+    assert [r.token_ids for r in done if r.request_id == "long"] == [r.token_ids for r in alone]
+
+
+def test_abort_and_drain_see_the_request_being_prefilled():
+    engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=10, **ARGS)
+    engine.add_request(prompt(6, 40), SamplingParams(max_tokens=4, n=3, seed=1), request_id="r")
+    engine.add_request(prompt(7, 6), SamplingParams(max_tokens=4, n=2, seed=1), request_id="w")
+    engine.step()
+    assert engine.num_live == 3 and engine.has_unfinished()
+    engine.step(admit=False)  # draining: the request in progress goes on, no new one starts
+    assert engine.num_live == 3
+    aborted = engine.abort("r")
+    assert [(r.sample_index, r.finish_reason, r.token_ids) for r in aborted] == [(j, "abort", []) for j in range(3)]
+    assert engine.num_live == 0
+    rest = drain(engine)  # the freed slots take the waiting request
+    assert [(r.request_id, len(r.token_ids)) for r in rest] == [("w", 4), ("w", 4)]
+
+
+def test_max_prefill_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        RolloutEngine.from_pretrained("tiny", max_prefill_tokens=0, **ARGS)
+    with pytest.raises(ValueError, match=r"engine\.max_prefill_tokens=0"):
+        EngineConfig(max_prefill_tokens=0)
