@@ -112,12 +112,11 @@ class RolloutEngine:
             if bad:
                 raise ValueError(f"{what}[{i}] has token id {bad[0]!r} outside [0, vocab_size={vocab})")
 
-    def _forward_last(self, token_ids: list[int], start: int, slot: int, capture: ExpertCapture | None):
-        """Tokens at positions start.. of `slot` into its cache; the last one's logits."""
+    def _forward_chunk(self, token_ids: list[int], start: int, slot: int, capture: ExpertCapture | None):
+        """Tokens at positions start.. of `slot` into its cache; the last one's hidden state [H]."""
         ids = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
-        hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)
-        return self.model.compute_logits(hidden[0, -1])
+        return self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)[0, -1]
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, *, prompt_index: int = 0,
                     request_id: str | None = None) -> str:
@@ -254,7 +253,7 @@ class RolloutEngine:
         size = min(budget, pre.remaining)
         chunk = req.prompt[pre.done:pre.done + size]
         capture = self._capture(size) if req.sampling.return_routed_experts else None
-        logits = self._forward_last(chunk, pre.done, pre.slots[0], capture)
+        last = self._forward_chunk(chunk, pre.done, pre.slots[0], capture)
         pre.done += size
         if capture is not None:
             pre.routing.append(capture.all_rows())
@@ -266,6 +265,7 @@ class RolloutEngine:
             self._live.update(zip(slots, seqs, strict=True))
             self._prefilling = None
             params, filtered, _ = self._step_inputs(seqs, n)
+            logits = self.model.compute_logits(last)  # the last chunk's only: earlier ones need no logits
             tokens, logprobs = sample(logits.expand(n, -1), *params, filtered=filtered)
             tokens, logprobs = tokens.tolist(), logprobs.tolist()
             if capture is not None:  # one prefill, so one prompt routing for the whole group
