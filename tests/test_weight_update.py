@@ -66,6 +66,19 @@ def test_in_place_apply_keeps_every_address_and_lands_the_same_values(weight_dty
     assert_bitwise_equal(live_weights(copied.model), live_weights(swapped.model))
 
 
+def test_q_k_v_stay_views_of_the_fused_projection_through_a_sync():
+    """The triton backend projects with one [q + k + v rows, H] weight whose row views are q_proj, k_proj, v_proj:
+    an update must land in that weight (copied into the views), not beside it."""
+    eng = engine("mxfp8")
+    src = dict(named(source_model(12), "hub", torch.float32))
+    sync(eng, list(src.items()), version=1)
+    for i, layer in enumerate(eng.model.layers):
+        attn = layer.self_attn
+        fused = torch.cat([src[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]).bfloat16()
+        assert torch.equal(attn.qkv_weight, fused)
+        assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+
+
 def test_partial_update_touches_only_what_it_carries():
     eng = engine("mxfp8")
     before = snapshot(eng.model)

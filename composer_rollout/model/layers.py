@@ -19,7 +19,9 @@ would otherwise run dozens of tiny launches per layer: RMSNorm with its residual
 FP32 softmax and accumulation).
 
 The residual stream is passed as (block output, residual before it) so that the add and the next norm are one
-launch; the torch backend computes the same sums in the same BF16 order.
+launch; the torch backend computes the same sums in the same BF16 order. q_proj, k_proj and v_proj are row views of
+one [q + k + v rows, H] weight, so the triton backend projects in one GEMM (and the torch one in three, as Hugging
+Face does): whatever writes those weights must write into them (copy_), never rebind them.
 """
 
 import torch
@@ -105,9 +107,13 @@ class Attention(nn.Module):
         def linear(out_features, in_features):
             return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device).requires_grad_(False)
 
-        self.q_proj = linear(num_heads * head_dim, hidden_size)
-        self.k_proj = linear(num_kv_heads * head_dim, hidden_size)
-        self.v_proj = linear(num_kv_heads * head_dim, hidden_size)
+        q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
+        qkv = torch.zeros(q_rows + 2 * kv_rows, hidden_size, dtype=dtype, device=device)
+        # A buffer, not a parameter: the three views below are the parameters (the Hugging Face names), so the
+        # weights are counted and named once.
+        self.register_buffer("qkv_weight", qkv, persistent=False)
+        self.q_proj, self.k_proj, self.v_proj = (_linear_view(qkv[a:b]) for a, b in (
+            (0, q_rows), (q_rows, q_rows + kv_rows), (q_rows + kv_rows, q_rows + 2 * kv_rows)))
         self.o_proj = linear(hidden_size, num_heads * head_dim)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)
         self.k_norm = RMSNorm(head_dim, eps, dtype, device)
@@ -137,15 +143,21 @@ class Attention(nn.Module):
     def _fused(self, x, positions, slots, layer, cache, inv_freq):
         # The launchers refuse what they cannot run (FP32 activations, CPU tensors outside Triton's interpreter).
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv_weight).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # strided views
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions, slots,
                          k_cache, v_cache)
         attend = decode_attention if S == 1 else prefill_attention
         out = attend(q, k_cache, v_cache, slots, positions)
         return self.o_proj(out.view(B, S, self.num_heads * self.head_dim))
+
+
+def _linear_view(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear whose weight is `weight` itself (a view), not a copy."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 def check_dense(backend: str) -> None:

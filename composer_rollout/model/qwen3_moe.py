@@ -18,7 +18,7 @@ from torch import nn
 from composer_rollout.model.args import ModelArgs
 from composer_rollout.model.layers import Attention, KVCache, RMSNorm, check_dense, rope_inv_freq
 from composer_rollout.model.moe import SparseMoE, resolve_kernel_path
-from kernels import MXFP8Tensor, mxfp8_quantize
+from kernels import MXFP8Tensor, lm_head_logits, mxfp8_quantize
 
 WEIGHT_DTYPES = ("bf16", "mxfp8")
 
@@ -132,7 +132,13 @@ class Qwen3MoE(nn.Module):
         return self.norm.add_norm(x, residual, self.dense == "triton")[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """FP32 logits [..., V]. The triton backend takes them from the FP32 accumulator (kernels/lm_head.py); the
+        torch one widens cuBLAS's BF16 output, whose rounding (a 0.125 quantum at logits near 20) reaches the
+        logprobs (Hugging Face's behaviour, kept as the reference)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.dense == "triton":
+            flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+            return lm_head_logits(flat, weight).view(*hidden.shape[:-1], weight.shape[0])
         return F.linear(hidden, weight).float()
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:

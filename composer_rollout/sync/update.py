@@ -268,8 +268,10 @@ class WeightUpdate:
 
     def apply(self, model, current_version: int, *, in_place: bool = False) -> None:
         """Swap the staged tensors into `model` (between engine steps); nothing can fail after the version check.
-        in_place: copy them into the live tensors instead (on the current stream, so ordered with the engine's
-        work), for an engine whose CUDA graphs read the weights at fixed addresses."""
+        Dense tensors are always copied into the live ones (on the current stream, so ordered with the engine's
+        work): q_proj, k_proj and v_proj are views of one fused weight (composer_rollout.model.layers), and the
+        copy costs milliseconds. in_place: copy the experts too, rather than swapping them in, for an engine whose
+        CUDA graphs read the weights at fixed addresses."""
         if self.state != "finalized" or not self._ok:
             raise WeightSyncError(f"weight update to version {self.version} was not finalized successfully")
         if model is not self.model:
@@ -277,10 +279,7 @@ class WeightUpdate:
         check_version(self.version, current_version)
         live = model.hf_dense_weights()
         for name, t in self.dense.items():
-            if in_place:
-                live[name].data.copy_(t)
-            else:
-                live[name].data = t
+            live[name].copy_(t)
         for (layer, which), t in self.experts.items():
             if in_place:
                 _copy_into(getattr(model.layers[layer].mlp, which), t)
