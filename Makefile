@@ -3,7 +3,7 @@
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric bench-attention bench-decode gpu-decode
+	rl-demo bench-sync gpu-sync gpu-expert-centric bench-attention bench-decode gpu-decode gpu-multi
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -59,3 +59,6 @@ gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (need
 
 gpu-decode:  ## on the GPU machine: attention kernel tests, CUDA-graph engine tests, bench_attention, bench_decode
 	bash jobs/gpu_decode.sh
+
+gpu-multi:  ## on a multi-GPU machine: rollout throughput with a worker per GPU against one, weight sync over NCCL
+	bash jobs/gpu_multi.sh

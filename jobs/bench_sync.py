@@ -10,6 +10,11 @@ update (every value finite), and the swap. GB/s is the source's bytes over those
 the fused layout at <= 0.5 s (NeMo-RL's fastest published Qwen3-30B refit: 0.74-1.0 s; verl and slime: about 7 s).
 After the runs, a few of the worker's tensors are read back and compared bit for bit with the host quantizer's bytes.
 Needs ray (carried as wheels on the lent GPU machine: jobs/gpu_sync.sh).
+
+With a `collective` run (NCCL: issue 8, two or more GPUs) the trainer sits on a GPU of its own and --workers workers
+(default: every other GPU) receive; each collective row also reports the plain NCCL broadcast of the same bucket
+size on the same group (WeightSync.broadcast_ceiling) and the fraction of it the sync reached (target 70%).
+cuda_ipc runs need the trainer on the worker's GPU, so they do not mix with collective ones in one invocation.
 """
 
 import argparse
@@ -98,18 +103,31 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["cuda_ipc:fused:512", "cuda_ipc:fused:8192",
                                                       "cuda_ipc:hub:512", "object_store:fused:512"],
                         help="transport:layout:bucket_mb, in order (object_store runs once: it is slow)")
+    parser.add_argument("--workers", type=int, default=None, help="collective runs: workers (default: GPUs - 1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sync needs a CUDA GPU (cuda_ipc shares the trainer's GPU memory with the worker)")
+    transports = {run.split(":")[0] for run in args.runs}
+    collective = "collective" in transports
+    if collective and "cuda_ipc" in transports:
+        raise SystemExit("--runs: collective puts the trainer on a GPU of its own, cuda_ipc on the worker's: run "
+                         "them in separate invocations")
+    num_workers = args.workers or (torch.cuda.device_count() - 1 if collective else 1)
+    if collective and not 1 <= num_workers < torch.cuda.device_count():
+        raise SystemExit(f"--runs collective: needs a GPU for the trainer and one per worker; {num_workers} "
+                         f"worker(s) on {torch.cuda.device_count()} GPU(s)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ray.init(num_cpus=4, include_dashboard=False)
     start = time.perf_counter()
     pool = RolloutPool(ModelConfig(preset=args.preset, weight_dtype=WeightDtype.mxfp8), KernelConfig(),
                        EngineConfig(max_num_seqs=2, max_model_len=128),
-                       RolloutConfig(num_workers=1, gpus_per_worker=1, cpus_per_worker=2), SyncConfig(timeout_s=900))
+                       RolloutConfig(num_workers=num_workers, gpus_per_worker=1, cpus_per_worker=2),
+                       SyncConfig(timeout_s=900))
     build_s = time.perf_counter() - start
-    device = torch.device("cuda", local_device(pool.info[0]["gpu_uuid"]))  # the worker's GPU, as this process sees it
+    held = [local_device(info["gpu_uuid"]) for info in pool.info]  # the workers' GPUs, as this process sees them
+    free = [i for i in range(torch.cuda.device_count()) if i not in held]
+    device = torch.device("cuda", free[0] if collective else held[0])
     torch.cuda.set_device(device)
     fused, hub, nbytes = make_state(args.preset, device)
     print(f"worker built in {build_s:.1f} s; trainer state {nbytes / 1e9:.1f} GB BF16 ({len(fused)} fused-layout "
@@ -128,13 +146,16 @@ def main() -> None:
             stats.append(sync.push(state, version))
         timed = stats[1:] if len(stats) > 1 else stats
         best = min(timed, key=lambda s: s.seconds)
+        ceiling = sync.broadcast_ceiling(int(bucket_mb) << 20) if transport == "collective" else None
         rows.append({"transport": transport, "layout": layout, "bucket_mb": int(bucket_mb), "seconds": best.seconds,
                      "gb_per_s": best.gb_per_s, "stage_s": best.stage_s, "validate_s": best.prepare_s,
                      "swap_s": best.commit_s, "buckets": best.buckets, "tensors": best.tensors,
-                     "reps_s": [round(s.seconds, 4) for s in stats]})
+                     "reps_s": [round(s.seconds, 4) for s in stats], "broadcast_gb_per_s": ceiling,
+                     "of_broadcast": ceiling and round(best.gb_per_s / ceiling, 3)})
         r = rows[-1]
         print(f"{transport:>12} {layout:>6} {bucket_mb:>7} {r['seconds']:>8.3f} {r['gb_per_s']:>7.1f} "
-              f"{r['stage_s']:>8.3f} {r['validate_s']:>8.3f} {r['swap_s']:>7.3f} {r['buckets']:>7}  {r['reps_s']}",
+              f"{r['stage_s']:>8.3f} {r['validate_s']:>8.3f} {r['swap_s']:>7.3f} {r['buckets']:>7}  {r['reps_s']}"
+              + (f"  plain broadcast {ceiling:.1f} GB/s ({100 * r['of_broadcast']:.0f}%)" if ceiling else ""),
               flush=True)
     exact = check_exact(pool, fused, preset(args.preset).num_hidden_layers)
     served = pool.generate([Prompt(0, "p0", [1, 2, 3], SamplingParams(max_tokens=4, seed=0))])[0]
@@ -143,17 +164,19 @@ def main() -> None:
     pool.shutdown()
     ipc = [r["seconds"] for r in rows if r["transport"] == "cuda_ipc" and r["layout"] == "fused"]
     result = {"bench": "sync", "preset": args.preset, "state_gb": round(nbytes / 1e9, 2), "build_s": round(build_s, 1),
+              "workers": num_workers,
               "cuda_ipc_best_s": round(min(ipc), 4) if ipc else None, "target_s": 0.5, "exact": exact,
               "served_version": served.weight_version, "rows": rows}
     (out / "bench_sync.json").write_text(json.dumps(result, indent=2))
     try:
         plot(rows, out / "bench_sync.png", 0.5,
-             f"{args.preset}: {nbytes / 1e9:.0f} GB BF16 -> 1 worker (MXFP8), {torch.cuda.get_device_name(device)}")
+             f"{args.preset}: {nbytes / 1e9:.0f} GB BF16 -> {num_workers} worker(s) (MXFP8), "
+             f"{torch.cuda.get_device_name(device)}")
     except ImportError:
         print("matplotlib is not installed here: no bench_sync.png")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}
-                     | {"rows": [{k: r[k] for k in ("transport", "layout", "bucket_mb", "seconds", "gb_per_s")}
-                                 for r in rows]}))
+                     | {"rows": [{k: r[k] for k in ("transport", "layout", "bucket_mb", "seconds", "gb_per_s",
+                                                   "of_broadcast")} for r in rows]}))
     ray.shutdown()
 
 

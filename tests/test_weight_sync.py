@@ -77,13 +77,17 @@ def prompts(count, max_tokens, n=2, seed=5):
 def test_full_sync_lands_exactly_on_every_worker(pool, transport, layout, dtype):
     src = named(source_model(11 + len(layout), tie_word_embeddings=False), layout, dtype)
     version = next_version(pool)
-    stats = WeightSync(pool, transport=transport, bucket_mb=1).push(src, version)
+    sync = WeightSync(pool, transport=transport, bucket_mb=1)
+    stats = sync.push(src, version)
     assert stats.version == version and stats.tensors == len(src) and stats.buckets >= 2
     assert versions(pool) == [version, version]
     assert_workers_hold(pool, expected(src, REF))
     results = pool.generate(prompts(4, 4))
     assert {r.weight_version for r in results} == {version}
     assert all(r.weight_versions == [(version, r.num_completion_tokens)] for r in results)
+    if transport == "collective":  # the wire alone, on the group the push built (issue 8 compares the two)
+        assert sync.broadcast_ceiling(1 << 20, count=3) > 0
+        assert versions(pool) == [version, version]
 
 
 def test_partial_sync_and_a_restarted_worker_refuses_it(pool):
@@ -163,6 +167,11 @@ def test_one_worker_refusing_keeps_every_worker_on_its_version(pool):
     WeightSync(pool).push(src, v + 2)  # a newer full push brings both to one version
     assert versions(pool) == [v + 2, v + 2]
     assert_workers_hold(pool, expected(src, REF))
+
+
+def test_broadcast_ceiling_needs_the_collective_group(pool):
+    with pytest.raises(WeightSyncError, match="push once with transport=collective"):
+        WeightSync(pool, transport="collective").broadcast_ceiling(1 << 20)
 
 
 def test_cuda_ipc_without_a_gpu_fails_before_any_work(pool):

@@ -317,6 +317,24 @@ class WeightSync:
             except Exception:  # a dead worker has nothing staged; the push's own error is what the caller hears
                 pass
 
+    def broadcast_ceiling(self, nbytes: int, count: int = 5) -> float:
+        """GB/s of `count` plain broadcasts of `nbytes` through the collective group (after a collective push built
+        it), the workers receiving into their buffers and staging nothing: what a sync's wire could reach, measured
+        on the same group and buffers."""
+        if self._group is None:
+            raise WeightSyncError("broadcast_ceiling needs the collective group: push once with transport=collective")
+        buf = self._buffer("_dev_buf", nbytes, self._group.device)
+        refs = [w.sync_probe.remote(nbytes, count + 1) for w in self.workers]
+        self._group.broadcast(buf)  # the first joins every rank and warms the channels: not timed
+        start = time.perf_counter()
+        for _ in range(count):
+            self._group.broadcast(buf)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        seconds = time.perf_counter() - start
+        self._wait(refs, "probing")
+        return count * nbytes / seconds / 1e9
+
     def close(self) -> None:
         """Tear down the collective group (the workers replace theirs at the next begin)."""
         if self._group is not None:

@@ -111,6 +111,9 @@ class RolloutWorker:
     def sync_reserve(self, nbytes: int) -> None:
         self._sync.reserve(nbytes)
 
+    def sync_probe(self, nbytes: int, count: int) -> None:
+        self._sync.probe(nbytes, count)
+
     def sync_stage_packed(self, session_id: str, metas, array) -> int:
         return self._sync.stage_packed(session_id, metas, array)
 

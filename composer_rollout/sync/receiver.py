@@ -134,6 +134,15 @@ class SyncReceiver:
         flat = buf.to(self.engine.device) if buf.device != self.engine.device else buf
         return self._stage(session_id, unpack(flat, metas))
 
+    def probe(self, nbytes: int, count: int) -> None:
+        """collective: join `count` raw broadcasts of `nbytes` into the receive buffer, staging nothing: the trainer
+        times the wire alone (WeightSync.broadcast_ceiling)."""
+        if self._group is None:
+            raise WeightSyncError("sync transport collective: this worker has not joined a sync group (restarted?)")
+        self.reserve(nbytes)
+        for _ in range(count):
+            self._group.broadcast(self._recv[:nbytes])
+
     def reserve(self, nbytes: int) -> None:
         """collective: preallocate the receive buffer (the trainer announces its bucket size at begin)."""
         if self._group is not None and (self._recv is None or self._recv.numel() < nbytes):
