@@ -28,9 +28,10 @@ def main(cfg: DictConfig) -> None:
     start = time.perf_counter()
     engine = build_engine(job.model, job.kernel, job.engine)
     load_s = time.perf_counter() - start
+    graphs = f", decode graphs captured in {engine.stats.graph_capture_s:.1f} s" if engine.graphs else ""
     print(f"model {job.model.source} ({engine.model.weight_dtype} experts, {job.model.dtype.value}) on "
-          f"{engine.device}, kernel={job.kernel.name.value}: loaded in {load_s:.2f} s, "
-          f"{engine.model.memory_bytes() / 2**20:.1f} MiB of weights")
+          f"{engine.device}, kernel={job.kernel.name.value} dense={job.kernel.dense.value}: loaded in {load_s:.2f} s"
+          f"{graphs}, {engine.model.memory_bytes() / 2**20:.1f} MiB of weights")
     start = time.perf_counter()
     results = engine.generate(job.prompts, job.sampling)
     if engine.device.type == "cuda":

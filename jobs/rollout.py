@@ -101,7 +101,9 @@ def main(cfg: DictConfig) -> None:
     ray.init(address=job.ray.address, **init_kw)
     logger = make_logger(job.logger, run_dir, OmegaConf.to_container(cfg, resolve=True))
     pool = RolloutPool(job.model, job.kernel, job.engine, job.rollout, job.sync)
-    print("workers: " + ", ".join(f"{i['worker_id']} (pid {i['pid']}, {i['device']})" for i in pool.info))
+    print("workers: " + ", ".join(f"{i['worker_id']} (pid {i['pid']}, {i['device']}"
+                                  + (f", decode graphs captured in {i['graph_capture_s']:.1f} s" if i["graph_capture_s"]
+                                     else "") + ")" for i in pool.info))
     if job.rollout.name is not None:
         print(f"accepting weight syncs: WeightSync.connect({job.rollout.name!r}) from a process joined to this Ray "
               f"cluster (transport {job.sync.transport.value}, mode {job.sync.mode.value})")

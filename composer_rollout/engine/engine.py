@@ -70,7 +70,7 @@ class RolloutEngine:
         self.buckets = batch_buckets(max_num_seqs)
         self.graphs = DecodeGraphs(model, self.cache, self.buckets) if cuda_graphs else None
         self.weight_version = 0
-        self.stats = EngineStats()
+        self.stats = EngineStats(graph_capture_s=self.graphs.capture_s if self.graphs else 0.0)
         self._rng = random.Random(seed)
         self._waiting: deque[Request] = deque()
         self._live: dict[int, Sequence] = {}

@@ -83,3 +83,4 @@ class EngineStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_rows: int = 0  # rows computed, padding included; decode_tokens / decode_rows is the useful fraction
+    graph_capture_s: float = 0.0  # start-up: capturing the decode graphs (engine.cuda_graphs)

@@ -72,6 +72,7 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "device": str(self.engine.device),
                 "gpu_uuid": device_uuid(self.engine.device) if gpu else None,
                 "max_num_seqs": self.engine.max_num_seqs, "weight_version": self.engine.weight_version,
+                "graph_capture_s": self.engine.stats.graph_capture_s,
                 "sync": dataclasses.asdict(self.sync_cfg)}
 
     def submit(self, requests: list[Request]) -> int:
