@@ -29,12 +29,11 @@ not the DRAM's, bounds the launch. Splitting H over programs (a last-arriving pr
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import dot_dtype
 from kernels.rmsnorm import widen_bf16
-from kernels.router_topk import MAX_E, _topk, router_topk_reference
+from kernels.router_topk import MAX_E, router_topk_reference, softmax_topk_store
 
 CAPTURE_DTYPES = (torch.uint8, torch.int16, torch.int32)
 _KEYS_PER_PROGRAM = 8192  # BLOCK_T * EP int64 keys: 16 per thread on 16 warps, router_topk's largest per thread
@@ -64,28 +63,11 @@ def _kernel(x_ptr, g_ptr, w_ptr, ids_ptr, cap_ptr, T, H: tl.constexpr, E: tl.con
             g = widen_bf16(g)
         # BF16 x BF16 products are exact in FP32 (and in TF32): only the accumulation rounds.
         acc = tl.dot(x.to(DOT), tl.trans(g.to(DOT)), acc)
-    # router_topk's _kernel from its widened logits on, op for op.
-    lg = tl.where((e < E)[None, :], acc, float("-inf"))
-    z = lg - tl.max(lg, axis=1)[:, None]
-    if INTERPRET:  # libdevice has no interpreter implementation; numpy's exp is as accurate
-        ex = tl.exp(z)
-    else:  # not tl.exp: its ex2.approx of z * log2(e) loses ~|z| * 2^-24 relative
-        ex = libdevice.exp(z)
-    p = tl.math.div_rn(ex, tl.sum(ex, axis=1)[:, None])
-    low = 2 ** LOG_E - 1 - e  # the key's index part: larger for a lower expert index, so ties go to it
-    key = tl.where((e < E)[None, :], (p.to(tl.int32, bitcast=True).to(tl.int64) << LOG_E) | low[None, :], -1)
-    top = _topk(key, BLOCK_T, LOG_E, LOG_K)  # [BLOCK_T, 2^LOG_K], descending
-    ids = (2 ** LOG_E - 1) - (top & (2 ** LOG_E - 1))
-    w = (top >> LOG_E).to(tl.int32).to(tl.float32, bitcast=True)
-    j = tl.arange(0, 2 ** LOG_K)
-    if NORM:
-        w = tl.math.div_rn(w, tl.sum(tl.where((j < K)[None, :], w, 0.0), axis=1)[:, None])
-    offs = row.to(tl.int64)[:, None] * K + j[None, :]
-    m = (row < T)[:, None] & (j < K)[None, :]
-    tl.store(w_ptr + offs, w, mask=m)
-    tl.store(ids_ptr + offs, ids, mask=m)
+    ids = softmax_topk_store(acc, e, row, T, w_ptr, ids_ptr, E, K, LOG_E, LOG_K, NORM, INTERPRET)
     if CAPTURE:
-        tl.store(cap_ptr + offs, ids.to(cap_ptr.dtype.element_ty), mask=m)
+        j = tl.arange(0, 2 ** LOG_K)
+        m = (row < T)[:, None] & (j < K)[None, :]
+        tl.store(cap_ptr + row.to(tl.int64)[:, None] * K + j[None, :], ids.to(cap_ptr.dtype.element_ty), mask=m)
 
 
 def launch_config(T: int, H: int, E: int) -> dict:

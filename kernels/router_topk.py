@@ -76,6 +76,14 @@ def _kernel(logits_ptr, w_ptr, ids_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG
     raw = tl.load(logits_ptr + row.to(tl.int64)[:, None] * E + e[None, :],
                   mask=(row < T)[:, None] & (e < E)[None, :], other=0.0)
     x = widen_bf16(raw) if BF16 else raw
+    softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, E, K, LOG_E, LOG_K, NORM, INTERPRET)
+
+
+@triton.jit
+def softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
+                       LOG_K: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr):
+    """FP32 logits x [rows, 2^LOG_E] (columns >= E ignored) -> the rows' top-k weights and ids stored at row * K;
+    returns the ids [rows, 2^LOG_K] (kernels/router_gate_topk.py also writes them to a capture buffer)."""
     x = tl.where((e < E)[None, :], x, float("-inf"))
     z = x - tl.max(x, axis=1)[:, None]
     if INTERPRET:  # libdevice has no interpreter implementation; numpy's exp is as accurate
@@ -85,7 +93,7 @@ def _kernel(logits_ptr, w_ptr, ids_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG
     p = tl.math.div_rn(ex, tl.sum(ex, axis=1)[:, None])
     low = 2 ** LOG_E - 1 - e  # the index part of the key: larger for a lower expert index
     key = tl.where((e < E)[None, :], (p.to(tl.int32, bitcast=True).to(tl.int64) << LOG_E) | low[None, :], -1)
-    top = _topk(key, ROWS, LOG_E, LOG_K)  # [ROWS, 2^LOG_K], descending
+    top = _topk(key, x.shape[0], LOG_E, LOG_K)  # [rows, 2^LOG_K], descending
     ids = (2 ** LOG_E - 1) - (top & (2 ** LOG_E - 1))
     w = (top >> LOG_E).to(tl.int32).to(tl.float32, bitcast=True)
     j = tl.arange(0, 2 ** LOG_K)
@@ -95,6 +103,7 @@ def _kernel(logits_ptr, w_ptr, ids_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG
     m = (row < T)[:, None] & (j < K)[None, :]
     tl.store(w_ptr + offs, w, mask=m)
     tl.store(ids_ptr + offs, ids, mask=m)
+    return ids
 
 
 def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *, weights_out: torch.Tensor | None = None,
