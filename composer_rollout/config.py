@@ -57,8 +57,9 @@ class ModelConfig:
 class KernelConfig:
     """name: the MoE experts' path. dense: the rest of each layer, "torch" (the reference ops: RMSNorm, RoPE, math
     SDPA over each row's whole slot, softmax + top-k router) or "triton" (fused Triton kernels: RMSNorm with the
-    residual add, q/k-norm + RoPE + cache write in one launch, prefill and decode attention reading only each row's
-    own context, router softmax + top-k)."""
+    residual add in an FP32 residual stream, q/k-norm + RoPE + cache write in one launch, prefill and decode
+    attention reading only each row's own context, skinny projections for a decode step's few tokens, FP32 router
+    logits with softmax + top-k, FP32 logits). conf/kernel's Triton MoE paths choose "triton"."""
 
     name: KernelName = KernelName.torch
     dense: DenseName = DenseName.torch

@@ -167,21 +167,22 @@ def bench_longtail(model, slots, requests, prompt_len, max_len, seed):
     return out, occupancy
 
 
-def bench_accuracy(model, prompts, prompt_len, tokens, seed):
-    a, dev = model.args, model.device
-    model.set_paths(kernel="auto", dense="triton")
-    engine = RolloutEngine(model, max_num_seqs=prompts, max_model_len=prompt_len + tokens + 1,
-                           cuda_graphs=dev.type == "cuda")
-    rng = np.random.default_rng(seed)
-    ps = [rng.integers(0, a.vocab_size, prompt_len).tolist() for _ in range(prompts)]
-    results = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=tokens))
-    del engine
-    ref = Qwen3MoE(a, dtype=torch.float32, device=dev, weight_dtype="mxfp8")
+def fp32_twin(model) -> Qwen3MoE:
+    """An FP32 copy of `model`: dense weights widened from BF16, the same MXFP8 experts, torch attention and MoE."""
+    a = model.args
+    ref = Qwen3MoE(a, dtype=torch.float32, device=model.device, weight_dtype="mxfp8")
     fast = model.hf_dense_weights()
     for name, p in ref.hf_dense_weights().items():
         p.copy_(fast[name].float())
     for i in range(a.num_hidden_layers):
         ref.layers[i].mlp.w13, ref.layers[i].mlp.w2 = model.experts(i)
+    return ref
+
+
+def score_against(ref, ps, results) -> dict:
+    """Teacher-force each prompt + greedy completion through `ref`: |delta logprob| of the generated tokens, and
+    where the greedy tokens first differ from ref's argmax, whether ref's top-2 margin there beats BF16 rounding."""
+    dev = ref.device
     deltas, bad_divergences, first_diff = [], 0, []
     with torch.inference_mode():
         for p, r in zip(ps, results, strict=True):
@@ -200,10 +201,29 @@ def bench_accuracy(model, prompts, prompt_len, tokens, seed):
                 margin, rounding = float(top2[j, 0] - top2[j, 1]), 2.0 ** -8 * abs(float(top2[j, 0]))
                 bad_divergences += margin > rounding
     d = np.array(deltas)
-    out = dict(prompts=prompts, tokens=tokens, mean_abs_dlogprob=float(d.mean()),
-               p50=float(np.percentile(d, 50)), p99=float(np.percentile(d, 99)), max=float(d.max()),
-               greedy_divergences=len(first_diff), first_divergence=first_diff,
-               divergences_above_bf16_margin=int(bad_divergences))
+    return dict(mean_abs_dlogprob=float(d.mean()), p50=float(np.percentile(d, 50)),
+                p99=float(np.percentile(d, 99)), max=float(d.max()), greedy_divergences=len(first_diff),
+                first_divergence=first_diff, divergences_above_bf16_margin=int(bad_divergences))
+
+
+def bench_accuracy(model, prompts, prompt_len, tokens, seed):
+    """The fast engine (kernel auto, Triton dense path, CUDA graphs) against the FP32 twin; for scale, the same
+    for the BF16 engine with Hugging Face's numerics (dense torch: BF16 residual stream and logits, eager)."""
+    a, on_gpu = model.args, model.device.type == "cuda"
+    rng = np.random.default_rng(seed)
+    ps = [rng.integers(0, a.vocab_size, prompt_len).tolist() for _ in range(prompts)]
+    ref, out = fp32_twin(model), dict(prompts=prompts, tokens=tokens)
+    for dense in ("triton", "torch"):
+        model.set_paths(kernel="auto", dense=dense)
+        engine = RolloutEngine(model, max_num_seqs=prompts, max_model_len=prompt_len + tokens + 1,
+                               cuda_graphs=on_gpu and dense == "triton")
+        stats = score_against(ref, ps, engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=tokens)))
+        del engine
+        if dense == "triton":
+            out.update(stats)
+        else:
+            out["bf16_hf_numerics"] = stats
+    model.set_paths(dense="triton")
     print("accuracy", out, flush=True)
     return out
 

@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# The fast decode engine (issue 6) on the GPU in one device call: the attention kernels' whole test files (their
-# for-loop paths run only on a GPU), the engine's CUDA-graph and Triton-attention tests, bench_attention, then
-# bench_decode (BENCH_DECODE_ARGS narrows it to the device time left). Results land in $OUT (or ./out).
+# The fast decode engine (issue 6) on the GPU in one device call: the dense-path kernels' whole test files (their
+# for-loop and PDL paths run only on a GPU), the engine's CUDA-graph tests, bench_skinny_linear, bench_attention,
+# profile_decode (where a step's time goes), then bench_decode. Each stage has its own time limit (TESTS_S,
+# SKINNY_S, ATTENTION_S, PROFILE_S, DECODE_S seconds) so that one slow stage cannot cost the others' results;
+# the *_ARGS variables narrow each to the device time left. Results land in $OUT (or ./out).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py tests/test_prefill_attention.py \
-  tests/test_rmsnorm.py tests/test_router_topk.py tests/test_qk_norm_rope.py tests/test_chunked_prefill.py \
-  tests/test_dense_paths.py 2>&1 | tee "$out/gpu_tests.log"
-python3 jobs/bench_attention.py --out "$out" ${BENCH_ATTENTION_ARGS:-} 2>&1 | tee "$out/bench_attention.log"
-python3 jobs/bench_decode.py --out "$out" ${BENCH_DECODE_ARGS:-} 2>&1 | tee "$out/bench_decode.log"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee "$out/gpu.txt"
+timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_skinny_linear.py \
+  tests/test_decode_attention.py tests/test_rmsnorm.py tests/test_qk_norm_rope.py tests/test_router_topk.py \
+  tests/test_lm_head.py tests/test_dense_paths.py tests/test_chunked_prefill.py tests/test_prefill_attention.py \
+  tests/test_router_gate_topk.py 2>&1 | tee "$out/gpu_tests.log" | tail -30
+timeout "${SKINNY_S:-90}" python3 jobs/bench_skinny_linear.py --out "$out" ${BENCH_SKINNY_ARGS:-} 2>&1 \
+  | tee "$out/bench_skinny_linear.log"
+timeout "${ATTENTION_S:-120}" python3 jobs/bench_attention.py --out "$out" ${BENCH_ATTENTION_ARGS:-} 2>&1 \
+  | tee "$out/bench_attention.log"
+timeout "${PROFILE_S:-120}" python3 jobs/profile_decode.py --out "$out" ${PROFILE_ARGS:-} 2>&1 \
+  | grep -v -i warn | tee "$out/profile_decode.log"
+timeout "${DECODE_S:-400}" python3 jobs/bench_decode.py --out "$out" ${BENCH_DECODE_ARGS:-} 2>&1 \
+  | tee "$out/bench_decode.log"

@@ -15,11 +15,10 @@ from kernels.prefill_attention import prefill_attention
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.router_topk import router_topk, router_topk_reference
+from kernels.skinny_linear import skinny_linear, skinny_linear_reference
 from kernels.warp_decode_moe import warp_decode_moe
 
 __all__ = [
-    "MXFP8Tensor",
-    "MXFP8_BLOCK",
     "as_dense",
     "auto_moe",
     "cache_attention_reference",
@@ -30,10 +29,12 @@ __all__ = [
     "lm_head_logits",
     "lm_head_reference",
     "moe_reference",
+    "MXFP8_BLOCK",
     "mxfp8_dequantize",
     "mxfp8_quantize",
     "mxfp8_quantize_triton",
     "mxfp8_quantize_triton_many",
+    "MXFP8Tensor",
     "prefill_attention",
     "qk_norm_rope",
     "qk_norm_rope_reference",
@@ -42,5 +43,7 @@ __all__ = [
     "rms_norm_reference",
     "router_topk",
     "router_topk_reference",
+    "skinny_linear",
+    "skinny_linear_reference",
     "warp_decode_moe",
 ]

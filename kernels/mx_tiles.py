@@ -30,6 +30,17 @@ from kernels.mxfp8 import MXFP8Tensor
 DEQUANT_MODES = ("bf16", "f16_rel")
 
 
+def pdl_launch() -> dict:
+    """Launch options for a kernel with a `PDL` constexpr that calls tl.extra.cuda.gdc_wait() before its first
+    memory access: on the GPU it is launched as a programmatic dependent of the previous kernel (sm_90), so its
+    CTAs are scheduled while that kernel's last wave drains, and wait there for its results (~1 µs per launch
+    boundary in a decode step of ~600 launches). The wait is for the previous kernel's completion, so a chain of
+    such kernels keeps stream order. Triton's interpreter cannot run griddepcontrol: off there."""
+    if triton.knobs.runtime.interpret:
+        return dict(PDL=False)
+    return dict(PDL=True, launch_pdl=True)
+
+
 def dot_dtype(dequant: str = "bf16"):
     """The tensor-core operand dtype: BF16 (FP16 for dequant "f16_rel"), except under Triton's interpreter (CPU),
     whose low-precision tl.dot is wrong: FP32 there, on operands holding the same values."""

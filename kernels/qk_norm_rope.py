@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe_reference import check_tensor
+from kernels.mx_tiles import pdl_launch
 
 
 @triton.jit
@@ -64,7 +65,10 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, D: tl.constexpr):
 @triton.jit
 def _kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr, k_cache_ptr,
             v_cache_ptr, eps, S, N, L, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-            HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr):
+            HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr,
+            PDL: tl.constexpr):
+    if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     b = t // S
     s = t % S
@@ -168,7 +172,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     _kernel[(B * S,)](q, k, v, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache,
                       float(eps), S, N, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                       HQ=Hq, HKV=Hkv, HQ_P=triton.next_power_of_2(Hq), HKV_P=triton.next_power_of_2(Hkv), D=D,
-                      num_warps=4)
+                      num_warps=4, **pdl_launch())
     return q_out
 
 

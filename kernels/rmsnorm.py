@@ -2,10 +2,14 @@
 `x = x + attn(...)` followed by `post_attention_layernorm(x)` (and the next layer's input norm), which in
 torch are ~8 elementwise/reduction kernels each.
 
-Shapes: T tokens, H hidden (up to 8192). Layout: x, residual, out, residual_out [T, H] bf16 row-major; weight [H].
-Numerics, those of composer_rollout.model.layers.RMSNorm (Hugging Face's):
+Shapes: T tokens, H hidden (up to 8192). Layout: x, out [T, H] bf16 row-major; weight [H] bf16; residual and
+residual_out [T, H] row-major, both bf16 or both fp32.
+Numerics with a BF16 residual, those of composer_rollout.model.layers.RMSNorm (Hugging Face's):
     s = bf16(x + residual)                                     (torch's BF16 add: FP32 sum, one rounding)
     out = bf16(weight * bf16(s * rsqrt(mean(s^2) + eps)))      (FP32 inside; the two BF16 roundings kept)
+With an FP32 residual (the fast decode path's stream, which would otherwise be rounded to BF16 twice per layer),
+nothing is rounded but the output:
+    s = x + residual (FP32)                out = bf16(weight * (s * rsqrt(mean(s^2) + eps)))
 The mean is sum(s^2) * fp32(1/H), as torch's CUDA mean computes it (its CPU mean divides by H; the same for
 H a power of two). Compiled without FMA contraction (enable_fp_fusion=False), so every FP32 product and sum is
 rounded on its own, as in torch. What still differs: the order of the sum, and rsqrt (the hardware's
@@ -13,7 +17,8 @@ approximation, ~2 ulp, as torch's CUDA rsqrtf; 1 / sqrt under the interpreter). 
 rounding boundary may round the other way: out is then one BF16 step off (two, where a weight < 1 takes the
 product into a lower binade). Rare: none at H = 2048 in the tests, ~1 in 10^5 elements at H = 96 or 200.
 Each program holds whole rows in registers (BLOCK = next_power_of_2(H)); small H packs several rows per program.
-Bytes: T * H * 2 read (x), + T * H * 2 read and T * H * 2 written with the residual, T * H * 2 written (out),
+Bytes: T * H * 2 read (x), + T * H * 2 read and T * H * 2 written with a BF16 residual (4 and 4 with an FP32
+one), T * H * 2 written (out),
 H * 2 read per program (weight).
 Outputs must not overlap inputs (checked): in-place use is not supported.
 """
@@ -25,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe_reference import check_tensor
+from kernels.mx_tiles import pdl_launch
 
 MAX_H = 8192  # 16 values per thread per row tensor on 16 warps (36 registers on sm_90); beyond, rows need a loop
 
@@ -48,19 +54,29 @@ def round_bf16(v, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-            ROWS: tl.constexpr, HAS_RES: tl.constexpr, INTERPRET: tl.constexpr):
+            ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, INTERPRET: tl.constexpr,
+            PDL: tl.constexpr):
+    if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, BLOCK)
     m = (row < T)[:, None] & (col < H)[None, :]
     offs = row.to(tl.int64)[:, None] * H + col[None, :]  # int64: T * H may pass 2^31 in a long prefill
     s = widen_bf16(tl.load(x_ptr + offs, mask=m, other=0.0))
     if HAS_RES:
-        s16 = round_bf16(s + widen_bf16(tl.load(res_ptr + offs, mask=m, other=0.0)), INTERPRET)
-        tl.store(res_out_ptr + offs, s16, mask=m)
-        s = widen_bf16(s16)
+        if RES_F32:
+            s = s + tl.load(res_ptr + offs, mask=m, other=0.0)
+            tl.store(res_out_ptr + offs, s, mask=m)
+        else:
+            s16 = round_bf16(s + widen_bf16(tl.load(res_ptr + offs, mask=m, other=0.0)), INTERPRET)
+            tl.store(res_out_ptr + offs, s16, mask=m)
+            s = widen_bf16(s16)
     inv = tl.math.rsqrt(tl.sum(s * s, axis=1) * (1.0 / H) + eps)  # padding columns and rows add 0
-    n = widen_bf16(round_bf16(s * inv[:, None], INTERPRET))
     w = widen_bf16(tl.load(w_ptr + col, mask=col < H, other=0.0))
+    if RES_F32:
+        n = s * inv[:, None]
+    else:
+        n = widen_bf16(round_bf16(s * inv[:, None], INTERPRET))
     tl.store(out_ptr + offs, round_bf16(w[None, :] * n, INTERPRET), mask=m)
 
 
@@ -81,8 +97,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
     """(normed [T, H], residual_sum [T, H] or None): the RMSNorm of x, or of s = x + residual (written to
-    `residual_out`, the stream the next residual add reads) when `residual` is given. `out` and `residual_out` are
-    allocated when None; neither may overlap x, residual or weight."""
+    `residual_out`, the stream the next residual add reads) when `residual` is given. The residual is bf16 or
+    fp32 and residual_out has its dtype. `out` and `residual_out` are allocated when None; neither may overlap x,
+    residual or weight."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         raise TypeError(f"x must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2:
@@ -97,11 +114,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     inputs = {"x": x, "weight": weight}
+    res_f32 = residual is not None and residual.dtype == torch.float32
     if residual is not None:
-        check_tensor("residual", residual, torch.bfloat16, (T, H), x.device)
+        check_tensor("residual", residual, torch.float32 if res_f32 else torch.bfloat16, (T, H), x.device)
         inputs["residual"] = residual
-        residual_out = torch.empty_like(x) if residual_out is None else residual_out
-        check_tensor("residual_out", residual_out, torch.bfloat16, (T, H), x.device)
+        residual_out = torch.empty_like(residual) if residual_out is None else residual_out
+        check_tensor("residual_out", residual_out, residual.dtype, (T, H), x.device)
     elif residual_out is not None:
         raise ValueError("residual_out is given but residual is None: there is no sum to write")
     out = torch.empty_like(x) if out is None else out
@@ -117,13 +135,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _kernel[(triton.cdiv(T, rows),)](x, x if residual is None else residual, weight, out,
                                          out if residual_out is None else residual_out, T, float(eps), H=H,
                                          BLOCK=block, ROWS=rows, HAS_RES=residual is not None,
-                                         INTERPRET=triton.knobs.runtime.interpret, num_warps=warps,
-                                         enable_fp_fusion=False)
+                                         RES_F32=res_f32, INTERPRET=triton.knobs.runtime.interpret, num_warps=warps,
+                                         enable_fp_fusion=False, **pdl_launch())
     return out, residual_out
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The same in torch, op for op as the model's path: the BF16 add, then RMSNorm.forward's formula."""
+    """The same in torch, op for op as the model's path: the BF16 add, then RMSNorm.forward's formula; with an
+    FP32 residual, the FP32 sum and one rounding of the output."""
+    if residual is not None and residual.dtype == torch.float32:
+        s = x.float() + residual
+        return (weight.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))).bfloat16(), s
     s = x if residual is None else x + residual
     sf = s.float()
     sf = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)

@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.moe_reference import check_tensor
+from kernels.mx_tiles import pdl_launch
 from kernels.rmsnorm import widen_bf16
 
 MAX_E = 512  # 16 keys per thread on one warp per token: 64 registers on sm_90, no spills; more would grow that
@@ -69,7 +70,9 @@ def _topk(key, ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr):
 @triton.jit
 def _kernel(logits_ptr, w_ptr, ids_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
             LOG_K: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr,
-            INTERPRET: tl.constexpr):
+            INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, 2 ** LOG_E)
     # Rows past T load zeros (finite, not NaN, and never stored); padding experts become -inf (p = 0).
@@ -133,7 +136,7 @@ def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *, weigh
         _kernel[(triton.cdiv(T, rows),)](logits, weights, ids, T, E=E, K=top_k,
                                          LOG_E=(E - 1).bit_length(), LOG_K=(top_k - 1).bit_length(), ROWS=rows,
                                          BF16=logits.dtype == torch.bfloat16, NORM=bool(norm_topk_prob),
-                                         INTERPRET=interpret, num_warps=_ROWS)
+                                         INTERPRET=interpret, num_warps=_ROWS, **pdl_launch())
     return weights, ids
 
 

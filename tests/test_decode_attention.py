@@ -116,11 +116,11 @@ def test_buffers_reused_bit_identical(num_splits):
 
 
 def test_default_num_splits_is_a_function_of_shapes():
-    assert default_num_splits(64, 4, 40960) == 1  # B * Hkv = 256 programs fill 132 SMs
-    assert default_num_splits(33, 4, 40960) == 1
-    assert default_num_splits(1, 4, 40960) == 66  # ~2 programs per SM
-    assert default_num_splits(8, 4, 4096) == 9
-    assert default_num_splits(1, 4, 1024) == 4  # capped: 4 blocks of 64 keys per split of a full slot
+    assert default_num_splits(33, 4, 40960) == 1  # B * Hkv = 132 programs fill the SMs
+    assert default_num_splits(32, 4, 40960) == 5  # else ~4 programs per SM
+    assert default_num_splits(1, 4, 40960) == 132  # ~4 programs per SM
+    assert default_num_splits(8, 4, 4096) == 17
+    assert default_num_splits(1, 4, 1024) == 16  # capped: one block of 64 keys per split of a full slot
     assert default_num_splits(1, 4, 100) == 1
 
 

@@ -42,9 +42,12 @@ def test_triton_dense_backend_matches_torch(chunk):
 
 
 def test_triton_dense_backend_refuses_fp32_instead_of_falling_back():
-    engine = RolloutEngine(model("triton", dtype=torch.float32), max_num_seqs=2, max_model_len=16)
-    with pytest.raises(TypeError, match="x must be a bfloat16 tensor"):
-        engine.generate([[3, 4, 5]], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="dense backend 'triton' needs a bfloat16 model, got dtype torch.float32"):
+        model("triton", dtype=torch.float32)
+    fp32 = model("torch", dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs a bfloat16 model"):
+        fp32.set_paths(dense="triton")
+    assert fp32.dense == "torch" and not fp32.layers[0].fused
 
 
 def test_unknown_dense_backend_and_cpu_graphs_are_refused():
@@ -87,3 +90,4 @@ def test_a_weight_update_reaches_the_captured_graphs():
     ps, sampling = prompts(8, [10, 6]), SamplingParams(temperature=0.0, max_tokens=12)
     want = RolloutEngine(new, max_num_seqs=4, max_model_len=64).generate(ps, sampling)
     assert [r.token_ids for r in engine.generate(ps, sampling)] == [r.token_ids for r in want]
+

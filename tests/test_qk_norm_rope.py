@@ -48,7 +48,7 @@ def _problem(B, S, Hq, Hkv, D, L, theta=1e6, seed=0, idx_dtype=torch.int64, layo
     N, X = B + 2, (Hq + 2 * Hkv) * D
 
     def randn(*shape, scale=2.0):
-        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16().to(DEVICE)  # views stay views
 
     if layout == "contiguous":
         q, k, v = randn(B, S, Hq, D), randn(B, S, Hkv, D), randn(B, S, Hkv, D)

@@ -12,10 +12,12 @@ import torch
 
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 EPS = 1e-6
 
 
-def data(T, H, seed, device="cpu"):
+def data(T, H, seed, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(T, H, generator=g) * 3).bfloat16()
     r = (torch.randn(T, H, generator=g) * 3).bfloat16()
@@ -72,6 +74,27 @@ def test_error_is_bf16_rounding_against_fp32():
     assert (err / exact.abs()).nan_to_num().max() > 2**-9  # not FP32-exact: the bound above is the one that binds
 
 
+@pytest.mark.parametrize("H", [96, 200, 2048])
+@pytest.mark.parametrize("T", [1, 17])
+def test_fp32_residual_stream(H, T):
+    """An FP32 residual: the sum is exact FP32 (bit-identical to torch's), stored FP32, and the output is rounded
+    once, so it sits within one BF16 rounding of the exact norm (two with the BF16 stream)."""
+    x, r, w = data(T, H, seed=H + T)
+    r32 = r.float() + torch.randn(T, H, generator=torch.Generator().manual_seed(H)).to(DEVICE) * 1e-3  # not BF16
+    got, got_sum = rms_norm(x, w, EPS, r32)
+    want, want_sum = rms_norm_reference(x, w, EPS, r32)
+    assert got.dtype == torch.bfloat16 and got_sum.dtype == torch.float32
+    assert torch.equal(got_sum, x.float() + r32) and torch.equal(got_sum, want_sum)
+    check(got, want, min_identical=0.99)
+    exact = w.double() * got_sum.double() * torch.rsqrt(got_sum.double().pow(2).mean(-1, keepdim=True) + EPS)
+    err = (got.double() - exact).abs()
+    assert (err <= 2**-8 * 1.01 * exact.abs()).all()
+    out, res_out = torch.empty_like(x), torch.empty_like(r32)
+    got_out, got_res = rms_norm(x, w, EPS, r32, out=out, residual_out=res_out)
+    assert got_out is out and got_res is res_out
+    assert torch.equal(res_out, want_sum)
+
+
 def test_given_buffers_are_written_and_returned():
     x, r, w = data(5, 256, seed=4)
     out, res_out = torch.full_like(x, 7), torch.full_like(x, 7)
@@ -94,18 +117,21 @@ def test_empty_and_nonfinite():
 
 def _bad_cases():
     x, r, w = data(4, 64, seed=7)
-    wide = torch.zeros(4, 128, dtype=torch.bfloat16)
+    wide = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
     return {
         "x dtype": (dict(x=x.float()), TypeError, "x must be a bfloat16"),
         "x rank": (dict(x=x[0]), ValueError, r"x must be \[T, H\]"),
         "x strided": (dict(x=wide[:, ::2], residual=None), ValueError, "x must be contiguous"),
-        "H too big": (dict(x=torch.zeros(1, 8193, dtype=torch.bfloat16)), ValueError, "x: H must be"),
+        "H too big": (dict(x=torch.zeros(1, 8193, dtype=torch.bfloat16, device=DEVICE)), ValueError, "x: H must be"),
         "weight shape": (dict(weight=w[:32]), ValueError, "weight must have shape"),
         "weight dtype": (dict(weight=w.float()), TypeError, "weight must be a torch.bfloat16"),
         "residual shape": (dict(residual=r[:2]), ValueError, "residual must have shape"),
         "residual dtype": (dict(residual=r.half()), TypeError, "residual must be a torch.bfloat16"),
-        "out shape": (dict(out=torch.empty(4, 32, dtype=torch.bfloat16)), ValueError, "out must have shape"),
-        "residual_out dtype": (dict(residual_out=r.float()), TypeError, "residual_out must be"),
+        "residual_out dtype, fp32 residual": (dict(residual=r.float(), residual_out=torch.empty_like(r)), TypeError,
+                                              "residual_out must be a torch.float32"),
+        "out shape": (dict(out=torch.empty(4, 32, dtype=torch.bfloat16, device=DEVICE)),
+            ValueError, "out must have shape"),
+        "residual_out dtype": (dict(residual_out=r.float()), TypeError, "residual_out must be a torch.bfloat16"),
         "residual_out alone": (dict(residual=None, residual_out=torch.empty_like(x)), ValueError, "residual is None"),
         "out aliases x": (dict(out=x), ValueError, "out overlaps x"),
         "residual_out aliases residual": (dict(residual_out=r), ValueError, "residual_out overlaps residual"),
@@ -128,7 +154,7 @@ def test_bad_inputs_name_the_argument(case):
 @pytest.mark.parametrize("T", [1, 64])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_qwen3_30b_shape_on_gpu(T, with_residual):
-    x, r, w = data(T, 2048, seed=T, device="cuda")
+    x, r, w = data(T, 2048, seed=T, device=DEVICE)
     got, got_sum = rms_norm(x, w, 1e-6, r if with_residual else None)
     want, want_sum = rms_norm_reference(x, w, 1e-6, r if with_residual else None)
     if with_residual:

@@ -10,14 +10,16 @@ import torch
 
 from kernels.router_topk import router_topk, router_topk_reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def tie_free_logits(T, E, dtype, seed, device="cpu"):
+
+def tie_free_logits(T, E, dtype, seed, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.float32:
         return (torch.randn(T, E, generator=g) * 2).to(device)
     # E distinct BF16 values, shuffled per row: multiples of 2^-5 in [-4, 4), where BF16's step is <= 2^-6.
     assert E <= 256
-    values = (torch.arange(E) - E // 2).float() * 2**-5
+    values = (torch.arange(E, device=DEVICE) - E // 2).float() * 2**-5
     rows = torch.stack([values[torch.randperm(E, generator=g)] for _ in range(T)])
     logits = rows.bfloat16()
     assert all(len(set(row)) == E for row in logits.float().tolist())
@@ -37,16 +39,16 @@ def test_matches_reference(E, k, T, dtype, norm):
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=0)
     if norm:
-        torch.testing.assert_close(weights.sum(-1), torch.ones(T), rtol=1e-6, atol=0)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(T, device=DEVICE), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("norm", [False, True])
 def test_ties_go_to_the_lower_index(k, norm):
-    logits = torch.zeros(6, 24)
+    logits = torch.zeros(6, 24, device=DEVICE)
     logits[3, [5, 17]] = 1.0  # one row with a tied pair above the rest: 5 before 17, then 0, 1, ...
     weights, ids = router_topk(logits, k, norm)
-    want = torch.arange(k).expand(6, k)
+    want = torch.arange(k, device=DEVICE).expand(6, k)
     assert torch.equal(ids[[0, 1, 2, 4, 5]], want[:5])
     assert ids[3].tolist() == ([5, 17] + [e for e in range(24) if e not in (5, 17)])[:k]
     flat = weights[[0, 1, 2, 4, 5]]
@@ -54,7 +56,7 @@ def test_ties_go_to_the_lower_index(k, norm):
 
 
 def test_probabilities_tied_by_underflow_keep_index_order():
-    logits = torch.full((2, 16), -1000.0)
+    logits = torch.full((2, 16), -1000.0, device=DEVICE)
     logits[:, 9] = 0.0  # every other exp underflows to 0: p = 1 for expert 9, exact ties at 0 for the rest
     weights, ids = router_topk(logits, 4, False)
     assert ids.tolist() == [[9, 0, 1, 2]] * 2
@@ -63,29 +65,33 @@ def test_probabilities_tied_by_underflow_keep_index_order():
 
 def test_given_buffers_empty_and_small_shapes():
     logits = tie_free_logits(7, 128, torch.float32, seed=2)
-    w_out, i_out = torch.empty(7, 8), torch.empty(7, 8, dtype=torch.int64)
+    w_out, i_out = torch.empty(7, 8, device=DEVICE), torch.empty(7, 8, dtype=torch.int64, device=DEVICE)
     weights, ids = router_topk(logits, 8, True, weights_out=w_out, ids_out=i_out)
     assert weights is w_out and ids is i_out
     assert torch.equal(ids, router_topk_reference(logits, 8, True)[1])
-    weights, ids = router_topk(torch.empty(0, 128), 8, True)
+    weights, ids = router_topk(torch.empty(0, 128, device=DEVICE), 8, True)
     assert weights.shape == ids.shape == (0, 8)
-    weights, ids = router_topk(torch.tensor([[0.5], [-3.0]]), 1, False)  # E = 1
+    weights, ids = router_topk(torch.tensor([[0.5], [-3.0]], device=DEVICE), 1, False)  # E = 1
     assert ids.tolist() == [[0], [0]] and weights.tolist() == [[1.0], [1.0]]
 
 
-_LOGITS = torch.zeros(4, 16)
+_LOGITS = torch.zeros(4, 16, device=DEVICE)
 _BAD = {
     "logits dtype": (dict(logits=_LOGITS.half()), TypeError, "logits must be a bfloat16 or float32"),
     "logits rank": (dict(logits=_LOGITS[0]), ValueError, r"logits must be \[T, E\]"),
-    "logits strided": (dict(logits=torch.zeros(16, 4).t()), ValueError, "logits must be contiguous"),
-    "E too big": (dict(logits=torch.zeros(1, 513)), ValueError, "logits: E must be"),
+    "logits strided": (dict(logits=torch.zeros(16, 4, device=DEVICE).t()), ValueError, "logits must be contiguous"),
+    "E too big": (dict(logits=torch.zeros(1, 513, device=DEVICE)), ValueError, "logits: E must be"),
     "k > E": (dict(top_k=17), ValueError, "top_k must be an int in 1..E=16"),
     "k < 1": (dict(top_k=0), ValueError, "top_k must be"),
     "k not int": (dict(top_k=2.0), ValueError, "top_k must be"),
-    "weights_out dtype": (dict(weights_out=torch.empty(4, 2, dtype=torch.bfloat16)), TypeError, "weights_out must"),
-    "weights_out shape": (dict(weights_out=torch.empty(4, 3)), ValueError, "weights_out must have shape"),
-    "ids_out dtype": (dict(ids_out=torch.empty(4, 2, dtype=torch.int32)), TypeError, "ids_out must be a torch.int64"),
-    "ids_out strided": (dict(ids_out=torch.empty(2, 4, dtype=torch.int64).t()), ValueError, "ids_out must be contig"),
+    "weights_out dtype": (dict(weights_out=torch.empty(4, 2, dtype=torch.bfloat16, device=DEVICE)),
+        TypeError, "weights_out must"),
+    "weights_out shape": (dict(weights_out=torch.empty(4, 3, device=DEVICE)),
+        ValueError, "weights_out must have shape"),
+    "ids_out dtype": (dict(ids_out=torch.empty(4, 2, dtype=torch.int32, device=DEVICE)),
+        TypeError, "ids_out must be a torch.int64"),
+    "ids_out strided": (dict(ids_out=torch.empty(2, 4, dtype=torch.int64, device=DEVICE).t()),
+        ValueError, "ids_out must be contig"),
 }
 
 
@@ -102,7 +108,7 @@ def test_bad_inputs_name_the_argument(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
 def test_qwen3_30b_shape_on_gpu(T, dtype, norm):
-    logits = tie_free_logits(T, 128, dtype, seed=T, device="cuda")
+    logits = tie_free_logits(T, 128, dtype, seed=T, device=DEVICE)
     weights, ids = router_topk(logits, 8, norm)
     want_w, want_ids = router_topk_reference(logits, 8, norm)
     assert torch.equal(ids, want_ids)

@@ -16,12 +16,14 @@ SDPA over the whole slot, masked: every row reads max_len keys), and "triton", f
 would otherwise run dozens of tiny launches per layer: RMSNorm with its residual add (kernels/rmsnorm.py), q/k-norm
 + RoPE + the cache write (kernels/qk_norm_rope.py, computed in FP32 and rounded once), and attention
 (kernels/prefill_attention.py for S > 1, kernels/decode_attention.py for S = 1: each row reads only its own keys,
-FP32 softmax and accumulation).
+FP32 softmax and accumulation), and the projections of a decode step's few tokens (kernels/skinny_linear.py, see
+fused_linear).
 
 The residual stream is passed as (block output, residual before it) so that the add and the next norm are one
-launch; the torch backend computes the same sums in the same BF16 order. q_proj, k_proj and v_proj are row views of
-one [q + k + v rows, H] weight, so the triton backend projects in one GEMM (and the torch one in three, as Hugging
-Face does): whatever writes those weights must write into them (copy_), never rebind them.
+launch; the torch backend computes the sums in BF16 as Hugging Face does, the triton one keeps the stream in FP32.
+q_proj, k_proj and v_proj are row views of one [q + k + v rows, H] weight, so the triton backend projects in one
+GEMM (and the torch one in three, as Hugging Face does): whatever writes those weights must write into them
+(copy_), never rebind them.
 """
 
 import torch
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm
+from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm, skinny_linear
+from kernels.skinny_linear import max_tokens as skinny_max_tokens
 
 DENSE_BACKENDS = ("torch", "triton")
 
@@ -46,14 +49,16 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool):
-        """(norm(x + residual), x + residual), or (norm(x), x) when residual is None; fused: one Triton launch."""
+        """(norm(x + residual), x + residual), or (norm(x), x) when residual is None. fused: one Triton launch, and
+        the residual stream is kept in FP32 (it starts as the widened embedding), so it is not rounded to BF16 twice
+        per layer (its effect against an FP32 model: docs/perf.md). The torch path keeps Hugging Face's BF16 stream."""
         if not fused:
             x = x if residual is None else x + residual
             return self(x), x
         shape = x.shape
         flat = None if residual is None else residual.view(-1, shape[-1])
         normed, summed = rms_norm(x.view(-1, shape[-1]), self.weight, self.eps, flat)
-        return normed.view(shape), (x if summed is None else summed.view(shape))
+        return normed.view(shape), (x.float() if summed is None else summed.view(shape))
 
 
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
@@ -100,7 +105,7 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, eps, dtype, device, backend: str = "torch"):
         super().__init__()
-        check_dense(backend)
+        check_dense(backend, dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
 
@@ -143,14 +148,30 @@ class Attention(nn.Module):
     def _fused(self, x, positions, slots, layer, cache, inv_freq):
         # The launchers refuse what they cannot run (FP32 activations, CPU tensors outside Triton's interpreter).
         B, S, _ = x.shape
-        qkv = F.linear(x, self.qkv_weight).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = fused_linear(x, self.qkv_weight).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # strided views
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions, slots,
                          k_cache, v_cache)
         attend = decode_attention if S == 1 else prefill_attention
         out = attend(q, k_cache, v_cache, slots, positions)
-        return self.o_proj(out.view(B, S, self.num_heads * self.head_dim))
+        return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight)
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] @ weight^T on the Triton dense path. A decode step's few tokens (up to
+    kernels.skinny_linear.max_tokens: 2 for the attention projections, 16 for the router gate) take skinny_linear,
+    one launch that beat cuBLAS there on the H200 (cuBLAS: two launches for o_proj, ~2 CTAs for the gate). More
+    tokens take cuBLAS; out_dtype=float32 (the router's logits) then multiplies FP32 copies, so the logits never
+    pass through BF16 whatever the batch."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= skinny_max_tokens(weight.shape[0]):
+        y = skinny_linear(flat, weight, out_dtype=out_dtype)
+    elif out_dtype == torch.float32:
+        y = F.linear(flat.float(), weight.float())
+    else:
+        y = F.linear(flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def _linear_view(weight: torch.Tensor) -> nn.Linear:
@@ -160,6 +181,10 @@ def _linear_view(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-def check_dense(backend: str) -> None:
+def check_dense(backend: str, dtype: torch.dtype) -> None:
+    """The Triton kernels take BF16 activations only, so an FP32 model (reference runs) is refused here, before
+    any work, rather than deep inside the first forward."""
     if backend not in DENSE_BACKENDS:
         raise ValueError(f"dense backend {backend!r} is unknown; choose one of {DENSE_BACKENDS}")
+    if backend == "triton" and dtype != torch.bfloat16:
+        raise ValueError(f"dense backend 'triton' needs a bfloat16 model, got dtype {dtype}; use dense='torch'")

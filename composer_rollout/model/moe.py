@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer_rollout.model.layers import fused_linear
 from kernels import (
     MXFP8Tensor,
     auto_moe,
@@ -87,7 +88,11 @@ class SparseMoE(nn.Module):
         expert ids when the engine asks for them."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = route(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob, self.fused_router)
+        # The fused router takes FP32 logits (Hugging Face's are BF16): a near-tie between experts is not decided
+        # by a rounding.
+        logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
+                  else F.linear(flat, self.gate.weight))
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router)
         if capture is not None:
             capture.record(layer, ids)
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)

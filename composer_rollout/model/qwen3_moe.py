@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         self.set_dense(dense)
 
     def set_dense(self, dense: str) -> None:
-        check_dense(dense)
+        check_dense(dense, self.input_layernorm.weight.dtype)
         self.fused = dense == "triton"
         self.self_attn.backend = dense
         self.mlp.fused_router = self.fused
@@ -76,7 +76,7 @@ class Qwen3MoE(nn.Module):
         """Switch the MoE kernel path and/or the dense backend in place (the weights stay): for comparing paths on
         one set of weights. CUDA graphs captured before hold the old paths: capture again."""
         if dense is not None:
-            check_dense(dense)
+            check_dense(dense, self.dtype)
         moe_fn = resolve_kernel_path(kernel) if kernel is not None else None
         for layer in self.layers:
             if moe_fn is not None:

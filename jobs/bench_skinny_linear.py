@@ -1,0 +1,202 @@
+"""The skinny linear (kernels/skinny_linear.py) against cuBLAS (F.linear) at Qwen3's decode projections on the GPU.
+
+Shapes (weight N x K): per model the fused qkv projection, o_proj and the router gate (FP32 out); T = 1..16 tokens.
+Each timing is the median µs per call of CUDA-graph replays of one graph that calls the op on C distinct weight
+copies in turn (C >= 8 and C * weight bytes > 100 MB, so the 60 MB L2 cannot serve them: every call streams its
+weight from HBM), launch gaps included, as in a decode step's graph. Bound: weight + x + out bytes over the
+streaming-read ceiling measured in the same run (jobs/bench_moe.read_ceiling_tbs). Error: max |out - ref| / max
+|ref| on copy 0, ref = skinny_linear_reference in FP32. F.linear's output is BF16 everywhere (the gate's too: what
+the model runs today), so its error is BF16 rounding.
+--sweep also times a few alternative Configs per shape and T (block_n and num_warps halved and doubled, early
+loads off) and reports the fastest. --ptxas needs no GPU: it compiles the launcher's configs for sm_90a and prints
+ptxas registers and spills, the 16-byte global loads, and how many loads precede the first FMA.
+
+Usage: PYTHONPATH=. python3 jobs/bench_skinny_linear.py --out DIR [--sweep] [--tokens 1,2,4,8,16]
+(prints a table, writes DIR/bench_skinny_linear.json and .png, ends with one JSON line)
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from jobs.bench_moe import read_ceiling_tbs, time_graph
+from kernels.skinny_linear import _config, _kernel, kernel_constexprs, skinny_linear, skinny_linear_reference
+
+SHAPES = {
+    "qwen3-30b-a3b": {"qkv": (5120, 2048, torch.bfloat16), "o_proj": (2048, 4096, torch.bfloat16),
+                      "gate": (128, 2048, torch.float32)},
+    "qwen3-235b-a22b": {"qkv": (9216, 4096, torch.bfloat16), "o_proj": (4096, 8192, torch.bfloat16),
+                        "gate": (128, 4096, torch.float32)},
+}
+TARGET_US = {"qkv": 6.5, "o_proj": 5.5, "gate": 2.5}  # the 30B goals at T = 1..8
+L2_DEFEAT_BYTES = 100e6
+
+
+def variants(T, N, K):
+    """The launcher's Config first, then its neighbours (one knob changed each)."""
+    base = _config(T, N, K)
+    alt = [base._replace(block_n=b) for b in (base.block_n // 2, base.block_n * 2) if 1 <= b <= 16]
+    alt += [base._replace(num_warps=w) for w in (base.num_warps // 2, base.num_warps * 2) if 1 <= w <= 16]
+    return [base, *alt, base._replace(early_loads=False)]
+
+
+def per_call_us(fn, ws, reps):
+    """µs per call of one CUDA graph calling fn on every weight copy in turn."""
+    return time_graph(lambda: [fn(w) for w in ws], reps) / len(ws)
+
+
+def max_rel(out, ref):
+    return float((out.float() - ref).abs().max() / ref.abs().max())
+
+
+def bench_shape(model, proj, N, K, out_dtype, tokens, reps, ceiling, sweep, gen):
+    copies = max(8, math.ceil(L2_DEFEAT_BYTES / (N * K * 2)))
+    ws = [torch.randn(N, K, device="cuda", generator=gen).mul_(K**-0.5).bfloat16() for _ in range(copies)]
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, K, device="cuda", generator=gen).bfloat16()
+        out = torch.empty(T, N, device="cuda", dtype=out_dtype)
+        ref = skinny_linear_reference(x, ws[0], torch.float32)
+        timed = []
+        for cfg in variants(T, N, K) if sweep else [_config(T, N, K)]:
+            try:
+                fn = partial(skinny_linear, out_dtype=out_dtype, out=out, config=cfg)
+                us = per_call_us(lambda w, fn=fn, x=x: fn(x, w), ws, reps)
+            except Exception as exc:  # a failing variant is reported, the rest still run
+                print(f"FAILED {model} {proj} T={T} {cfg}: {exc!r}", flush=True)
+                continue
+            timed.append((us, cfg))
+        us, cfg = timed[0]
+        err = max_rel(skinny_linear(x, ws[0], out_dtype=out_dtype), ref)
+        cublas_us = per_call_us(partial(F.linear, x), ws, reps)
+        cublas_err = max_rel(F.linear(x, ws[0]), ref)
+        nbytes = N * K * 2 + T * K * 2 + T * N * out.element_size()
+        bound_us = nbytes / ceiling / 1e6
+        best_us, best = min(timed, key=lambda p: p[0])
+        rows.append(dict(model=model, proj=proj, N=N, K=K, T=T, out=str(out_dtype).removeprefix("torch."),
+                         copies=copies, us=round(us, 2), cublas_us=round(cublas_us, 2), bound_us=round(bound_us, 2),
+                         frac=round(bound_us / us, 3), cublas_frac=round(bound_us / cublas_us, 3),
+                         speedup=round(cublas_us / us, 3), err=float(f"{err:.3g}"),
+                         cublas_err=float(f"{cublas_err:.3g}"), config=list(cfg), best_us=round(best_us, 2),
+                         best_config=list(best)))
+        r = rows[-1]
+        print(f"{model:16s} {proj:7s} {N:5d}x{K:<5d} T={T:<3d} {us:7.2f} µs  cuBLAS {cublas_us:7.2f} µs  "
+              f"bound {bound_us:6.2f} µs ({100 * r['frac']:5.1f}% vs {100 * r['cublas_frac']:5.1f}%)  "
+              f"x{r['speedup']:.2f}  err {err:.1e} (cuBLAS {cublas_err:.1e})  {tuple(cfg)}"
+              + (f"  best {best_us:.2f} µs {tuple(best)}" if sweep else ""), flush=True)
+    return rows
+
+
+def plot(rows, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in SHAPES if any(r["model"] == m for r in rows)]
+    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 9), squeeze=False)
+    for col, model in enumerate(models):
+        for i, proj in enumerate(SHAPES[model]):
+            pts = sorted((r["T"], r["us"], r["cublas_us"], r["frac"], r["cublas_frac"]) for r in rows
+                         if r["model"] == model and r["proj"] == proj)
+            if not pts:
+                continue
+            ts, color = [p[0] for p in pts], f"C{i}"
+            axes[0][col].plot(ts, [p[1] for p in pts], "o-", color=color, label=f"{proj} skinny_linear")
+            axes[0][col].plot(ts, [p[2] for p in pts], "s--", color=color, label=f"{proj} F.linear")
+            axes[1][col].plot(ts, [100 * p[3] for p in pts], "o-", color=color, label=f"{proj} skinny_linear")
+            axes[1][col].plot(ts, [100 * p[4] for p in pts], "s--", color=color, label=f"{proj} F.linear")
+        axes[0][col].set(title=f"{model}: µs per call", xlabel="T", ylim=(0, None))
+        axes[1][col].set(title="% of the read bound", xlabel="T", ylim=(0, 100))
+        for ax in axes[:, col]:
+            ax.set_xscale("log", base=2)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench_skinny_linear.png"), dpi=110)
+
+
+def summary(rows, ceiling):
+    key = [(f"{r['model']}/{r['proj']}/T{r['T']}", r) for r in rows]
+    met = {f"{r['proj']}/T{r['T']}": r["us"] <= TARGET_US[r["proj"]] for r in rows
+           if r["model"] == "qwen3-30b-a3b" and r["T"] <= 8}
+    return dict(bench="skinny_linear", ceiling_tbs=round(ceiling, 3), us={k: r["us"] for k, r in key},
+                cublas_us={k: r["cublas_us"] for k, r in key}, frac={k: r["frac"] for k, r in key},
+                speedup={k: r["speedup"] for k, r in key}, targets_met=met,
+                max_rel_err={d: max(r["err"] for r in rows if r["out"] == d) for d in {r["out"] for r in rows}})
+
+
+def ptxas_report(models, tokens):
+    """Offline compile of the launcher's configs (no GPU): ptxas registers/spills, loads, load order."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for model in models:
+        for proj, (N, K, out_dtype) in SHAPES[model].items():
+            for T in tokens:
+                cfg = _config(T, N, K)
+                cx = dict(kernel_constexprs(T, K, cfg, out_dtype), INTERPRET=False, PDL=True)
+                sig = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32" if out_dtype == torch.float32 else "*bf16",
+                           T="i32", N="i32", stride_x="i32", **{k: "constexpr" for k in cx})
+                src = ASTSource(fn=_kernel, signature=sig, constexprs=cx,
+                                attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)})
+                ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                     options=dict(num_warps=cfg.num_warps)).asm["ptx"]
+                with tempfile.TemporaryDirectory() as d:
+                    with open(os.path.join(d, "k.ptx"), "w") as f:
+                        f.write(ptx)
+                    info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", f"{d}/k.ptx", "-o",
+                                           f"{d}/k.cubin"], capture_output=True, text=True, check=True).stderr
+                    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f"{d}/k.cubin"],
+                                          capture_output=True, text=True, check=True).stdout
+                ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?P\w+\s+)?([A-Z0-9_.]+)", sass)
+                first_fma = next(i for i, op in enumerate(ops) if op.startswith(("FFMA", "FMUL")))
+                early = sum(op.startswith("LDG") for op in ops[:first_fma])
+                w_loads = cfg.block_n * cfg.block_k // (256 * cfg.num_warps) * math.ceil(K / cfg.block_k)
+                regs = re.search(r"Used (\d+) registers", info).group(1)
+                spilled = re.search(r"(\d+) bytes spill stores", info).group(1)
+                loads, v4 = len(re.findall(r"ld\.global", ptx)), len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
+                print(f"{model:16s} {proj:7s} T={T:<3d} {tuple(cfg)} grid {triton.cdiv(N, cfg.block_n):5d}: "
+                      f"{regs} registers, {spilled} B spilled, ld.global {loads} (v4 {v4}), {early} LDG before "
+                      f"the first FMA ({w_loads} of the weights)", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--models", default=",".join(SHAPES))
+    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--ptxas", action="store_true", help="offline compile report (no GPU), then exit")
+    args = p.parse_args()
+    models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
+    if args.ptxas:
+        ptxas_report(models, tokens)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    ceiling = read_ceiling_tbs()
+    print(f"read ceiling {ceiling:.3f} TB/s (CUDA graphs, median)", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for model in models:
+        for proj, (N, K, out_dtype) in SHAPES[model].items():
+            rows += bench_shape(model, proj, N, K, out_dtype, tokens, args.reps, ceiling, args.sweep, gen)
+            torch.cuda.empty_cache()  # the shape's weight copies
+    plot(rows, args.out)
+    with open(os.path.join(args.out, "bench_skinny_linear.json"), "w") as f:
+        json.dump(dict(ceiling_tbs=ceiling, rows=rows), f)
+    print(json.dumps(summary(rows, ceiling)))
+
+
+if __name__ == "__main__":
+    main()

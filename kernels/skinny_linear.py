@@ -1,0 +1,202 @@
+"""Skinny linear: y = x @ weight^T for a decode step's few tokens, in one launch, accumulated in FP32.
+
+Why: at T <= 16 tokens the dense projections of an MoE decode step (qkv, o_proj, the router gate) are weight
+streams (2 * T FLOPs per weight byte). cuBLAS at T = 1 reaches ~59% of the H200's read ceiling on qkv, splits
+o_proj into two launches (split-K + reduce) and runs the 0.5 MB gate on ~2 CTAs. Here a grid of cdiv(N, BLOCK_N)
+programs (>= 2 per SM where N allows) reads every weight byte once, and the router gate's logits can stay FP32
+(out_dtype=torch.float32) instead of being rounded to BF16.
+
+Shapes: T tokens (1..MAX_T), N output features, K input features (a multiple of 8: 16-byte weight rows).
+Layout: x [T, K] bf16 with unit stride along K (any row stride: views of a wider buffer work); weight [N, K] bf16
+row-major (nn.Linear's); out [T, N] bf16 or fp32, contiguous.
+Program (BLOCK_N weight rows, all T tokens): the weight tile is loaded as [1, BLOCK_N, BLOCK_K] and the token tile
+as [BT, 1, BLOCK_K] (BT = next_power_of_2(T)), so both land in one layout: 8 consecutive K elements per thread (a
+16-byte load), then the lanes and all warps along K, every row and token in each thread. Widened to FP32, their
+broadcast product is summed along K by tl.sum: each thread's FMA chains over the elements it owns, then one
+shuffle tree per (token, row) and a cross-warp step through shared memory. Warps span K rather than rows so that
+the x values a thread converts serve all of its BLOCK_N rows (x's widening costs 1 / BLOCK_N of the FMAs), at the
+price of that final reduction (~10 instructions per (token, row) per thread against K / (32 * num_warps) FMAs).
+_config balances the two at 32 weights per row per thread (num_warps = K / 1024) and 4 rows (2 at T > 8, where
+the [BT, BLOCK_N] accumulators would exhaust registers): 128 weights, 64 registers of loads in flight per thread.
+BLOCK_K = K up to 8192 (padded to a power of two): a program loads its whole slab at once, so no load waits on
+earlier FMAs; a larger K is a static loop of such chunks. ptxas would still interleave the loads with the FMAs to
+save registers (measured in the SASS: 6 of 20 loads issued before the first FMA at qkv T = 1, then one more round
+trip per few loads); _after_weights makes the FMAs depend on every weight load, so all are issued first.
+Compiled for sm_90a (qkv, o_proj, gate at T = 1 / 8 / 16): 96 / 178 / 134 registers (gate: 44 / 88 / 86), no
+spills, weights and x by ld.global.v4. FFMA are ~46% of the instructions at T = 8, so the launch is predicted
+bandwidth-bound up to T ~ 8 and issue-bound above (2 * T FMAs per weight pair, CUDA cores only: a tensor-core
+variant would be the step for T = 8..16).
+Tails: rows past N and tokens past T load the last valid one (no mask in the loads) and are not stored; a K that
+is not a power of two masks the padded columns (constant over each 8 elements, so the loads stay 16-byte).
+Numerics: BF16 x BF16 products are exact in FP32; the sum is FP32 in a fixed order (deterministic, no atomics);
+bf16 output is rounded once, to nearest even (round_bf16: bit arithmetic under the interpreter, whose cast
+truncates).
+Bytes: N * K * 2 weight (the cost), T * K * 2 x (per program, from L2), T * N * (2 or 4) written.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_reference import check_tensor
+from kernels.mx_tiles import pdl_launch
+from kernels.rmsnorm import round_bf16, widen_bf16
+
+MAX_T = 16  # tokens per call; the caller uses cuBLAS above (the FMAs grow with T, the bytes do not)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+_MIN_PROGRAMS = 264  # two per H200 SM: one program's FMAs and reduction overlap the other's loads
+_MAX_BLOCK_K = 8192  # 128 weights per thread at 4 rows and 8 warps: all in flight, no spills (ptxas, sm_90a)
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    early_loads: bool = True  # _after_weights (used where block_k >= 256 * num_warps)
+
+
+def max_tokens(N: int) -> int:
+    """The most tokens at which skinny_linear beat cuBLAS on the H200 (jobs/bench_skinny_linear.py, docs/perf.md):
+    MAX_T for a router gate (N <= 512, where cuBLAS runs ~2 CTAs: 3.2x at T = 1, 1.04-1.11x at 16), 2 for the
+    attention projections (1.15-1.53x at T = 1, 0.94-1.34x at 2, 0.6-0.9x at 4-8: CUDA-core FMAs lose to cuBLAS's
+    tensor cores as T grows)."""
+    return MAX_T if N <= 512 else 2
+
+
+def _config(T: int, N: int, K: int) -> Config:
+    """The launch for [T, K] x [N, K]: see the module docstring."""
+    block_k = min(triton.next_power_of_2(K), _MAX_BLOCK_K)
+    block_n = 4 if T <= 8 else 2
+    while block_n > 1 and triton.cdiv(N, block_n) < _MIN_PROGRAMS:
+        block_n //= 2
+    return Config(block_n, block_k, max(1, min(8, block_k // 1024)))
+
+
+@triton.jit
+def _after_weights(w, xf, N, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   LANES: tl.constexpr):
+    """xf, the widened x tile [BT, 1, BLOCK_K], unchanged but data-dependent on every weight load of the thread.
+    Left alone, ptxas interleaves the weight loads with the FMAs to save registers (at T = 1 a program waits
+    several round trips instead of one); now no FMA can start before all loads are issued. The dependency: the
+    first element of each 16-byte vector (tl.split only selects registers), max-reduced within the thread,
+    AND-ed with N >> 31 (zero, as N >= 0, which the compiler cannot know) and OR-ed into xf's bits (merged into
+    the widening LOP3 for half of them: +6% instructions at T = 8, +11% at T = 1). The reshapes relabel
+    registers: the tile layout holds 8 elements per thread, then LANES = 32 * num_warps threads along K, then RK
+    repeats, so [.., RK, LANES, 8] moves no data."""
+    RK: tl.constexpr = BLOCK_K // (8 * LANES)
+    v, _ = tl.split(tl.reshape(w.to(tl.int16, bitcast=True), [BLOCK_N, RK, LANES, 4, 2]))
+    v, _ = tl.split(tl.reshape(v, [BLOCK_N, RK, LANES, 2, 2]))
+    v, _ = tl.split(v)
+    zero = tl.max(tl.max(v, axis=1), axis=0) & (N >> 31)
+    xb = tl.reshape(xf.to(tl.int32, bitcast=True), [BT, RK, LANES, 8]) | zero[None, None, :, None]
+    return tl.reshape(xb, [BT, 1, BLOCK_K]).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, LANES: tl.constexpr, EARLY: tl.constexpr, OUT_BF16: tl.constexpr,
+            INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BT)
+    # Tails read the last valid row / token (module docstring); int64 rows: N * K may pass 2^31.
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[None, :, None] * K
+    x_rows = x_ptr + tl.minimum(t, T - 1).to(tl.int64)[:, None, None] * stride_x
+    k = tl.arange(0, BLOCK_K)[None, None, :]
+    acc = tl.zeros([BT, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        # Weights are never written by the kernel before this one: under PDL (mx_tiles.pdl_launch) they stream
+        # while it drains, and only x waits for it.
+        if k0 + BLOCK_K <= K:
+            w = tl.load(w_rows + k0 + k)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            x = tl.load(x_rows + k0 + k)
+        else:
+            w = tl.load(w_rows + k0 + k, mask=k0 + k < K, other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            x = tl.load(x_rows + k0 + k, mask=k0 + k < K, other=0.0)
+        xf = widen_bf16(x)
+        if EARLY:
+            xf = _after_weights(w, xf, N, BT, BLOCK_N, BLOCK_K, LANES)
+        acc += tl.sum(xf * widen_bf16(w), axis=2)
+    dst = out_ptr + t[:, None] * N + n[None, :]
+    ok = (t < T)[:, None] & (n < N)[None, :]
+    if OUT_BF16:
+        tl.store(dst, round_bf16(acc, INTERPRET), mask=ok)
+    else:
+        tl.store(dst, acc, mask=ok)
+
+
+def kernel_constexprs(T: int, K: int, cfg: Config, out_dtype: torch.dtype) -> dict:
+    """_kernel's constexprs for a launch (also what an offline compile check needs)."""
+    lanes = 32 * cfg.num_warps
+    return dict(K=K, BT=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LANES=lanes,
+                EARLY=bool(cfg.early_loads) and cfg.block_k >= 8 * lanes, OUT_BF16=out_dtype == torch.bfloat16,
+                INTERPRET=triton.knobs.runtime.interpret)
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses a strided tensor can touch."""
+    end = t.data_ptr() + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)))
+    return t.data_ptr(), end
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                  out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """out[t, n] = sum_k x[t, k] * weight[n, k], accumulated in FP32 and stored as out_dtype (bf16: rounded to
+    nearest even once; fp32: the accumulator). x [T, K] bf16 with x.stride(1) == 1, T <= MAX_T; weight [N, K]
+    bf16 contiguous, K a multiple of 8. Writes and returns `out` [T, N] (allocated when None; it must not overlap
+    x or weight). `config` overrides _config's choice (benchmarks and tests)."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [T, K], got shape {tuple(x.shape)}")
+    T, K = x.shape
+    if T > MAX_T:
+        raise ValueError(f"x has T = {T} tokens, more than MAX_T = {MAX_T}: use F.linear")
+    if K == 0 or K % 8:
+        raise ValueError(f"x: K = {K} must be a positive multiple of 8 (16-byte weight rows)")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x.stride()}")
+    if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(f"x is on {x.device}: the kernel needs CUDA tensors (or Triton's interpreter)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
+    N = weight.shape[0]
+    check_tensor("weight", weight, torch.bfloat16, (N, K), x.device)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if out is None:
+        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    check_tensor("out", out, out_dtype, (T, N), x.device)
+    if T == 0 or N == 0:
+        return out
+    o0, o1 = _span(out)
+    for name, t in (("x", x), ("weight", weight)):
+        a0, a1 = _span(t)
+        if a0 < o1 and o0 < a1:
+            raise ValueError(f"out overlaps {name}: in-place skinny_linear is not supported")
+    cfg = config or _config(T, N, K)
+    if config is None and triton.knobs.runtime.interpret:
+        # The interpreter runs programs one after another at ~ms each: there a program takes up to 64 rows. Each
+        # output is still the same sum along K, so the values do not change.
+        cfg = cfg._replace(block_n=min(64, triton.next_power_of_2(N)))
+    if not (_pow2(cfg.block_n) and _pow2(cfg.block_k) and cfg.block_k >= 8 and _pow2(cfg.num_warps)
+            and cfg.num_warps <= 16 and K <= 64 * cfg.block_k):
+        raise ValueError(f"config {cfg}: powers of two, block_k >= 8, num_warps <= 16, K = {K} in <= 64 chunks")
+    _kernel[(triton.cdiv(N, cfg.block_n),)](x, weight, out, T, N, x.stride(0), num_warps=cfg.num_warps,
+                                            **kernel_constexprs(T, K, cfg, out_dtype), **pdl_launch())
+    return out
+
+
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same in torch: an FP32 matmul of the same BF16 values, rounded once to out_dtype."""
+    return (x.float() @ weight.float().T).to(out_dtype)
