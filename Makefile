@@ -1,9 +1,10 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | bench-attention | bench-decode | gpu-*
+# bench-sync | bench-attention | bench-skinny | bench-decode | profile-decode | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric bench-attention bench-decode gpu-decode gpu-multi
+	rl-demo bench-sync gpu-sync gpu-expert-centric bench-attention bench-skinny bench-decode profile-decode gpu-decode \
+	gpu-multi
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -39,6 +40,12 @@ bench-requant:  ## MXFP8 re-quantization of Qwen3-30B-A3B's expert weights, 1 an
 bench-attention:  ## the Triton decode and prefill attention kernels at the Qwen3 shapes, against KV-read and matmul bounds (GPU)
 	$(PY) jobs/bench_attention.py $(ARGS)
 
+bench-skinny:  ## skinny_linear (a decode step's projections and router gate) against cuBLAS and the read bound (GPU)
+	$(PY) jobs/bench_skinny_linear.py $(ARGS)
+
+profile-decode:  ## where a captured decode step's time goes, kernel by kernel (GPU)
+	$(PY) jobs/profile_decode.py $(ARGS)
+
 bench-decode:  ## the engine's decode steps (CUDA graphs) at batch x context x MoE path, a long-tail run, FP32 agreement (GPU)
 	$(PY) jobs/bench_decode.py $(ARGS)
 
@@ -57,7 +64,7 @@ gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU wor
 gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (needs ray wheels in .whl)
 	bash jobs/gpu_sync.sh
 
-gpu-decode:  ## on the GPU machine: attention kernel tests, CUDA-graph engine tests, bench_attention, bench_decode
+gpu-decode:  ## on the GPU machine: dense-path and CUDA-graph GPU tests, bench_skinny, bench_attention, profile, bench_decode
 	bash jobs/gpu_decode.sh
 
 gpu-multi:  ## on a multi-GPU machine: rollout throughput with a worker per GPU against one, weight sync over NCCL
