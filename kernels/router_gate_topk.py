@@ -33,9 +33,8 @@ import triton.language as tl
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import dot_dtype
 from kernels.rmsnorm import widen_bf16
-from kernels.router_topk import MAX_E, router_topk_reference, softmax_topk_store
+from kernels.router_topk import MAX_E, check_capture_out, router_topk_reference, softmax_topk_store
 
-CAPTURE_DTYPES = (torch.uint8, torch.int16, torch.int32)
 _KEYS_PER_PROGRAM = 8192  # BLOCK_T * EP int64 keys: 16 per thread on 16 warps, router_topk's largest per thread
 _STAGE_BYTES = 32768  # one pipeline stage of the gate weight (BLOCK_K * EP * 2): bytes in flight per SM at T = 1
 _MIN_PROGRAMS = 128  # ~the SM count: BLOCK_T grows past 16 only when T still fills the GPU
@@ -63,11 +62,7 @@ def _kernel(x_ptr, g_ptr, w_ptr, ids_ptr, cap_ptr, T, H: tl.constexpr, E: tl.con
             g = widen_bf16(g)
         # BF16 x BF16 products are exact in FP32 (and in TF32): only the accumulation rounds.
         acc = tl.dot(x.to(DOT), tl.trans(g.to(DOT)), acc)
-    ids = softmax_topk_store(acc, e, row, T, w_ptr, ids_ptr, E, K, LOG_E, LOG_K, NORM, INTERPRET)
-    if CAPTURE:
-        j = tl.arange(0, 2 ** LOG_K)
-        m = (row < T)[:, None] & (j < K)[None, :]
-        tl.store(cap_ptr + row.to(tl.int64)[:, None] * K + j[None, :], ids.to(cap_ptr.dtype.element_ty), mask=m)
+    softmax_topk_store(acc, e, row, T, w_ptr, ids_ptr, cap_ptr, E, K, LOG_E, LOG_K, NORM, CAPTURE, INTERPRET)
 
 
 def launch_config(T: int, H: int, E: int) -> dict:
@@ -119,14 +114,7 @@ def router_gate_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int
     ids = torch.empty(T, top_k, dtype=torch.int64, device=hidden.device) if ids_out is None else ids_out
     check_tensor("weights_out", weights, torch.float32, (T, top_k), hidden.device)
     check_tensor("ids_out", ids, torch.int64, (T, top_k), hidden.device)
-    if capture_out is not None:
-        cap_dtype = getattr(capture_out, "dtype", None)
-        if cap_dtype not in CAPTURE_DTYPES:
-            raise TypeError(f"capture_out must be a uint8, int16 or int32 tensor, got "
-                            f"{cap_dtype or type(capture_out).__name__}")
-        if cap_dtype == torch.uint8 and E > 256:
-            raise TypeError(f"capture_out: uint8 cannot hold the ids of E={E} experts (use int16)")
-        check_tensor("capture_out", capture_out, cap_dtype, (T, top_k), hidden.device)
+    check_capture_out(capture_out, T, top_k, E, hidden.device)
     interpret = triton.knobs.runtime.interpret
     if T > 0:
         cfg = launch_config(T, H, E)

@@ -18,7 +18,7 @@ the larger of paired runs and re-merge) yields the k keys in order. For E = 128,
 thread) that is 22 dependent compare-exchange layers, 9 of them across lanes (a shuffle), where k rounds of
 argmax-and-mask would chain 56 reduction levels, 40 across lanes. One warp per token (4 per program), so no
 reduction crosses warps; only the [4, k] results go through shared memory, to be stored coalesced.
-Bytes: T * E * (2 or 4) read, T * k * 12 written.
+Bytes: T * E * (2 or 4) read, T * k * 12 written (+ T * k * 1, 2 or 4 with a capture buffer).
 """
 
 import torch
@@ -30,6 +30,7 @@ from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import pdl_launch
 from kernels.rmsnorm import widen_bf16
 
+CAPTURE_DTYPES = (torch.uint8, torch.int16, torch.int32)
 MAX_E = 512  # 16 keys per thread on one warp per token: 64 registers on sm_90, no spills; more would grow that
 _ROWS = 4  # tokens per program, one warp each
 _INTERPRETER_ROWS = 16  # the interpreter's cost is per program and per op, nearly whatever the tile's size
@@ -68,8 +69,8 @@ def _topk(key, ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr):
 
 
 @triton.jit
-def _kernel(logits_ptr, w_ptr, ids_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
-            LOG_K: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr,
+def _kernel(logits_ptr, w_ptr, ids_ptr, cap_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
+            LOG_K: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr, CAPTURE: tl.constexpr,
             INTERPRET: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
         tl.extra.cuda.gdc_wait()
@@ -79,14 +80,15 @@ def _kernel(logits_ptr, w_ptr, ids_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG
     raw = tl.load(logits_ptr + row.to(tl.int64)[:, None] * E + e[None, :],
                   mask=(row < T)[:, None] & (e < E)[None, :], other=0.0)
     x = widen_bf16(raw) if BF16 else raw
-    softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, E, K, LOG_E, LOG_K, NORM, INTERPRET)
+    softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, cap_ptr, E, K, LOG_E, LOG_K, NORM, CAPTURE, INTERPRET)
 
 
 @triton.jit
-def softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
-                       LOG_K: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr):
-    """FP32 logits x [rows, 2^LOG_E] (columns >= E ignored) -> the rows' top-k weights and ids stored at row * K;
-    returns the ids [rows, 2^LOG_K] (kernels/router_gate_topk.py also writes them to a capture buffer)."""
+def softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, cap_ptr, E: tl.constexpr, K: tl.constexpr,
+                       LOG_E: tl.constexpr, LOG_K: tl.constexpr, NORM: tl.constexpr, CAPTURE: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """FP32 logits x [rows, 2^LOG_E] (columns >= E ignored) -> the rows' top-k weights and ids stored at row * K,
+    and with CAPTURE the ids again at cap_ptr in its integer type (the routed-expert capture, check_capture_out)."""
     x = tl.where((e < E)[None, :], x, float("-inf"))
     z = x - tl.max(x, axis=1)[:, None]
     if INTERPRET:  # libdevice has no interpreter implementation; numpy's exp is as accurate
@@ -106,13 +108,29 @@ def softmax_topk_store(x, e, row, T, w_ptr, ids_ptr, E: tl.constexpr, K: tl.cons
     m = (row < T)[:, None] & (j < K)[None, :]
     tl.store(w_ptr + offs, w, mask=m)
     tl.store(ids_ptr + offs, ids, mask=m)
-    return ids
+    if CAPTURE:
+        tl.store(cap_ptr + offs, ids.to(cap_ptr.dtype.element_ty), mask=m)
+
+
+def check_capture_out(capture_out: torch.Tensor | None, T: int, top_k: int, E: int, device: torch.device) -> None:
+    """A routed-expert capture buffer [T, k] (ExpertCapture.ids[layer]): uint8 (E <= 256), int16 or int32."""
+    if capture_out is None:
+        return
+    cap_dtype = getattr(capture_out, "dtype", None)
+    if cap_dtype not in CAPTURE_DTYPES:
+        raise TypeError(f"capture_out must be a uint8, int16 or int32 tensor, got "
+                        f"{cap_dtype or type(capture_out).__name__}")
+    if cap_dtype == torch.uint8 and E > 256:
+        raise TypeError(f"capture_out: uint8 cannot hold the ids of E={E} experts (use int16)")
+    check_tensor("capture_out", capture_out, cap_dtype, (T, top_k), device)
 
 
 def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *, weights_out: torch.Tensor | None = None,
-                ids_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ids_out: torch.Tensor | None = None,
+                capture_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, k] fp32, topk_ids [T, k] int64) of router logits [T, E]: `route`'s result, ties to the
-    lower expert index. `weights_out` and `ids_out` are allocated when None."""
+    lower expert index. `weights_out` and `ids_out` are allocated when None; `capture_out` [T, k] (uint8, int16
+    or int32, e.g. ExpertCapture.ids[layer]) receives the ids too when given, in the same launch."""
     if not isinstance(logits, torch.Tensor) or logits.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"logits must be a bfloat16 or float32 tensor, got "
                         f"{getattr(logits, 'dtype', type(logits).__name__)}")
@@ -130,13 +148,16 @@ def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *, weigh
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device) if ids_out is None else ids_out
     check_tensor("weights_out", weights, torch.float32, (T, top_k), logits.device)
     check_tensor("ids_out", ids, torch.int64, (T, top_k), logits.device)
+    check_capture_out(capture_out, T, top_k, E, logits.device)
     interpret = triton.knobs.runtime.interpret
     rows = _INTERPRETER_ROWS if interpret else _ROWS
     if T > 0:
-        _kernel[(triton.cdiv(T, rows),)](logits, weights, ids, T, E=E, K=top_k,
+        capture = ids if capture_out is None else capture_out  # a placeholder pointer when there is no capture
+        _kernel[(triton.cdiv(T, rows),)](logits, weights, ids, capture, T, E=E, K=top_k,
                                          LOG_E=(E - 1).bit_length(), LOG_K=(top_k - 1).bit_length(), ROWS=rows,
                                          BF16=logits.dtype == torch.bfloat16, NORM=bool(norm_topk_prob),
-                                         INTERPRET=interpret, num_warps=_ROWS, **pdl_launch())
+                                         CAPTURE=capture_out is not None, INTERPRET=interpret, num_warps=_ROWS,
+                                         **pdl_launch())
     return weights, ids
 
 

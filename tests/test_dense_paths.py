@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from composer_rollout import RolloutEngine, SamplingParams
+from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.model import Qwen3MoE, preset
 from composer_rollout.model.checkpoint import hub_state_dict
 
@@ -91,3 +92,23 @@ def test_a_weight_update_reaches_the_captured_graphs():
     want = RolloutEngine(new, max_num_seqs=4, max_model_len=64).generate(ps, sampling)
     assert [r.token_ids for r in engine.generate(ps, sampling)] == [r.token_ids for r in want]
 
+
+
+@pytest.mark.parametrize("dense", ["torch", "triton"])
+def test_the_router_writes_the_capture_rows_of_its_layer(dense):
+    """Both routers fill ExpertCapture.layer(i) with the ids the experts were run with (the fused one in its own
+    launch), and leave the other layers' rows alone."""
+    m = model(dense, layers=2)
+    a, mlp = m.args, m.layers[1].mlp
+    x = torch.randn(5, a.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
+    capture = ExpertCapture(a.num_hidden_layers, 5, a.num_experts_per_tok, a.num_experts, DEVICE)
+    capture.ids.fill_(255)
+    seen, run_experts = [], mlp.moe_fn
+
+    def experts(flat, weights, ids, w13, w2):
+        seen.append(ids.clone())
+        return run_experts(flat, weights, ids, w13, w2)
+
+    mlp.moe_fn = experts
+    mlp(x, layer=1, capture=capture)
+    assert torch.equal(capture.layer(1).long(), seen[0]) and (capture.ids[0] == 255).all()

@@ -75,6 +75,16 @@ def test_given_buffers_empty_and_small_shapes():
     assert ids.tolist() == [[0], [0]] and weights.tolist() == [[1.0], [1.0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_capture_out_gets_the_ids_in_its_own_type(dtype):
+    """The routed-expert capture (ExpertCapture.ids[layer]) written by the same launch; other layers untouched."""
+    logits = tie_free_logits(19, 128, torch.float32, seed=8)
+    capture = torch.full((3, 19, 8), 99, dtype=dtype, device=DEVICE)
+    weights, ids = router_topk(logits, 8, True, capture_out=capture[1])
+    assert torch.equal(ids, router_topk_reference(logits, 8, True)[1])
+    assert torch.equal(capture[1].long(), ids) and (capture[[0, 2]] == 99).all()
+
+
 _LOGITS = torch.zeros(4, 16, device=DEVICE)
 _BAD = {
     "logits dtype": (dict(logits=_LOGITS.half()), TypeError, "logits must be a bfloat16 or float32"),
@@ -92,6 +102,10 @@ _BAD = {
         TypeError, "ids_out must be a torch.int64"),
     "ids_out strided": (dict(ids_out=torch.empty(2, 4, dtype=torch.int64, device=DEVICE).t()),
         ValueError, "ids_out must be contig"),
+    "capture_out dtype": (dict(capture_out=torch.empty(4, 2, dtype=torch.int64, device=DEVICE)),
+        TypeError, "capture_out must be a uint8, int16 or int32"),
+    "capture_out shape": (dict(capture_out=torch.empty(4, 3, dtype=torch.uint8, device=DEVICE)),
+        ValueError, "capture_out must have shape"),
 }
 
 

@@ -6,9 +6,9 @@ expert ids of every layer. The engine records them only when some live sequence 
 
 A capture belongs to one forward call: the engine makes one per step and passes it down through the model
 (`Qwen3MoE.forward(..., capture=)`), so nothing is global and two engines in one process never share it.
-Each MoE block writes its [T, k] ids into a preallocated [layers, T, k] buffer on the device (a plain copy,
-no host synchronisation, fixed shapes: what a CUDA graph needs), and the engine reads the rows it wants at
-the step's one synchronisation, where it reads the sampled tokens.
+Each MoE block's router writes its [T, k] ids into a preallocated [layers, T, k] buffer on the device (in the
+fused router's own launch, or a plain copy; no host synchronisation, fixed shapes: what a CUDA graph needs), and
+the engine reads the rows it wants at the step's one synchronisation, where it reads the sampled tokens.
 
 Ids are stored in the smallest integer type that holds num_experts (uint8 up to 256 experts), so a sample's
 routing is compact on the host: an array [tokens, layers, k].
@@ -29,9 +29,10 @@ class ExpertCapture:
     def __init__(self, num_layers: int, num_tokens: int, top_k: int, num_experts: int, device):
         self.ids = torch.empty(num_layers, num_tokens, top_k, dtype=expert_id_dtype(num_experts), device=device)
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Called by the MoE block of `layer` with its topk_ids [T, k]."""
-        self.ids[layer].copy_(topk_ids)
+    def layer(self, layer: int) -> torch.Tensor:
+        """The [T, k] rows of `layer`, for the MoE block's router to write its expert ids into (the fused router
+        writes them in its own launch, the torch one copies them)."""
+        return self.ids[layer]
 
     def rows(self, index: list[int]) -> list[np.ndarray]:
         """The routing of tokens `index` (rows of the forward's flattened batch), one [layers, k] array each,

@@ -7,8 +7,8 @@ a step's tensors have a static shape per bucket (padding rows decode on the scra
 the forward reads back to the host.
 
 What is captured: the model's forward of one token per row and the FP32 logits of the last hidden state, plus
-the routed-expert ids of every row (an ExpertCapture of the bucket's rows: one small copy per layer, recorded
-always, read only for the sequences that asked). Sampling runs after the replay, eagerly: its filtering
+the routed-expert ids of every row (an ExpertCapture of the bucket's rows, written by each layer's router,
+recorded always, read only for the sequences that asked). Sampling runs after the replay, eagerly: its filtering
 depends on the rows' parameters, and it is a handful of launches.
 
 The graphs read the weights at the addresses they had at capture, so a weight update must be copied into the

@@ -61,12 +61,17 @@ def resolve_kernel_path(name: str) -> MoEPath:
     raise ValueError(f"kernel {name!r} is unknown; choose one of {sorted(KERNEL_PATHS)}")
 
 
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, fused: bool = False):
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, fused: bool = False,
+          capture_out: torch.Tensor | None = None):
     """FP32 softmax over experts, top-k, optional renormalisation -> (weights [T, k] fp32, ids [T, k]); fused: one
-    Triton launch (kernels/router_topk.py) instead of the torch ops."""
+    Triton launch (kernels/router_topk.py) instead of the torch ops, which also writes the ids into `capture_out`
+    (a layer's rows of an ExpertCapture) where the torch path copies them."""
     if fused:
-        return router_topk(router_logits, top_k, norm_topk_prob)
-    return router_topk_reference(router_logits, top_k, norm_topk_prob)
+        return router_topk(router_logits, top_k, norm_topk_prob, capture_out=capture_out)
+    weights, ids = router_topk_reference(router_logits, top_k, norm_topk_prob)
+    if capture_out is not None:
+        capture_out.copy_(ids)
+    return weights, ids
 
 
 class SparseMoE(nn.Module):
@@ -92,7 +97,6 @@ class SparseMoE(nn.Module):
         # by a rounding.
         logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
                   else F.linear(flat, self.gate.weight))
-        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router)
-        if capture is not None:
-            capture.record(layer, ids)
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router,
+                             None if capture is None else capture.layer(layer))
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)
