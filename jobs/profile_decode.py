@@ -1,10 +1,13 @@
 """Where a decode step's GPU time goes: the engine's captured step at batch B and context c under torch.profiler,
-kernel by kernel, against the step's wall time and its bandwidth roofline.
+kernel by kernel, against the step's wall time.
 
 bench_decode says how far a step is from its roofline; this says why. The profile is of the CUDA-graph replay
 the engine runs (CUPTI records the kernels inside a graph), so launch gaps show up as the difference between the
-wall time of a step and the sum of its kernels' times. Kernels are grouped by name; per group: calls and µs per
-step, and the share of the step. Each row's cache holds c random keys and values, as in bench_decode.
+wall time of a step and the sum of its kernels' times. A kernel launched under PDL (kernels/mx_tiles.pdl_launch)
+starts before the previous one ends and its time includes that wait, so the sum can exceed the wall time: compare
+steps by wall time, and read the per-kernel times of PDL kernels as upper bounds. Kernels are grouped by name; per
+group: calls and µs per step, and the share of the step. Each row's cache holds c random keys and values, as in
+bench_decode.
 
 Prints a table per (kernel path, B), writes profile_decode.json under --out, ends with one JSON line. GPU only.
 """
