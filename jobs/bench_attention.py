@@ -10,8 +10,7 @@ same run.
   same q, k, v: the library call the issue asks us to match.
 
 Every timing is the median of CUDA-graph replays on random data (decode: per call, of a graph of up to 8 calls on
-distinct caches). Prints a table, writes bench_attention.png and
-.json under --out, ends with one JSON line.
+distinct caches). Prints a table, writes bench_attention.png and .json under --out, ends with one JSON line.
 """
 
 import argparse
@@ -67,7 +66,6 @@ def bench_decode(shape, batches, contexts, reps, ceiling, gen):
             out = decode_attention(q, k_cache, v_cache, slots, positions)
             sub = slice(0, min(b, 4))  # the FP32 reference materialises [B, Hq, c] scores: a few rows suffice
             err = rel_err(out[sub], cache_attention_reference(q[sub], k_cache, v_cache, slots[sub], positions[sub]))
-
             us = time_graph(partial(every_layer, caches, q, slots, positions, out), reps) / layers
             base_us = None
             if b * Hq * c * (c + D) * 4 < 8e9:  # math SDPA's FP32 intermediates must fit

@@ -19,6 +19,8 @@ from kernels.skinny_linear import skinny_linear, skinny_linear_reference
 from kernels.warp_decode_moe import warp_decode_moe
 
 __all__ = [
+    "MXFP8Tensor",
+    "MXFP8_BLOCK",
     "as_dense",
     "auto_moe",
     "cache_attention_reference",
@@ -29,12 +31,10 @@ __all__ = [
     "lm_head_logits",
     "lm_head_reference",
     "moe_reference",
-    "MXFP8_BLOCK",
     "mxfp8_dequantize",
     "mxfp8_quantize",
     "mxfp8_quantize_triton",
     "mxfp8_quantize_triton_many",
-    "MXFP8Tensor",
     "prefill_attention",
     "qk_norm_rope",
     "qk_norm_rope_reference",

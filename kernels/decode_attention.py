@@ -69,6 +69,14 @@ def _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV: tl.constex
 
 
 @triton.jit
+def _row_chunk(pos_ptr, b, L, NS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(n, c): row b's key count and its split length, ceil(n / NS) in whole BLOCK_N blocks (module docstring).
+    The split kernel and the combine both derive which splits hold partials from it."""
+    n = tl.minimum(tl.load(pos_ptr + b).to(tl.int32) + 1, L)
+    return n, tl.cdiv(tl.cdiv(n, NS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_scale, L,
                   HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr):
@@ -77,8 +85,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    n = tl.minimum(tl.load(pos_ptr + b).to(tl.int32) + 1, L)
-    chunk = tl.cdiv(tl.cdiv(n, NS), BLOCK_N) * BLOCK_N
+    n, chunk = _row_chunk(pos_ptr, b, L, NS, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, n)
 
@@ -139,10 +146,9 @@ def _combine_kernel(ws_ptr, out_ptr, pos_ptr, L, HQ: tl.constexpr, D: tl.constex
         tl.extra.cuda.gdc_wait()
     W: tl.constexpr = D + 4
     r = tl.program_id(0)  # b * Hq + query head
-    # Only the splits the row's keys reach hold partials (the split kernel's chunk rule): a short row in a grid
-    # sized for long ones merges a few, not NS.
-    n = tl.minimum(tl.load(pos_ptr + r // HQ).to(tl.int32) + 1, L)
-    chunk = tl.cdiv(tl.cdiv(n, NS), BLOCK_N) * BLOCK_N
+    # Only the splits the row's keys reach hold partials: a short row in a grid sized for long ones merges a few,
+    # not NS.
+    n, chunk = _row_chunk(pos_ptr, r // HQ, L, NS, BLOCK_N)
     active = tl.maximum(tl.cdiv(n, tl.maximum(chunk, 1)), 1)
     base = ws_ptr + r * (NS * W)
     s = tl.arange(0, SP)

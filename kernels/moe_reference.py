@@ -54,6 +54,20 @@ def check_tensor(name: str, tensor, dtype: torch.dtype, shape: tuple, device: to
         raise ValueError(f"{name} is on {tensor.device}, expected {device}")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors (any strides) may share a byte: their [first, last] address spans intersect. Launchers
+    use it to refuse an output that aliases an input."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def weight_parts(w, name: str, device: torch.device):
     """(data, scales or data as a placeholder, is_mx) of a kernel's weight operand: a contiguous BF16 tensor or
     MXFP8Tensor on `device`, the error naming it."""

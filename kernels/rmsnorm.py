@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_reference import check_tensor
+from kernels.moe_reference import check_tensor, overlaps
 from kernels.mx_tiles import pdl_launch
 
 MAX_H = 8192  # 16 values per thread per row tensor on 16 warps (36 registers on sm_90); beyond, rows need a loop
@@ -88,12 +88,6 @@ def _launch_shape(H: int) -> tuple[int, int, int]:
     return block, rows, min(16, max(1, rows * block // 256))
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share any byte of memory."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
     """(normed [T, H], residual_sum [T, H] or None): the RMSNorm of x, or of s = x + residual (written to
@@ -128,7 +122,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual_out is not None:
         checks += [("residual_out", residual_out, name, t) for name, t in [*inputs.items(), ("out", out)]]
     for o_name, o, i_name, i in checks:
-        if _overlaps(o, i):
+        if overlaps(o, i):
             raise ValueError(f"{o_name} overlaps {i_name}: in-place rms_norm is not supported")
     if T > 0:
         block, rows, warps = _launch_shape(H)

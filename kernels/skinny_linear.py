@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_reference import check_tensor
+from kernels.moe_reference import check_tensor, overlaps
 from kernels.mx_tiles import pdl_launch
 from kernels.rmsnorm import round_bf16, widen_bf16
 
@@ -142,12 +142,6 @@ def _pow2(v) -> bool:
     return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses a strided tensor can touch."""
-    end = t.data_ptr() + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)))
-    return t.data_ptr(), end
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
                   out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
     """out[t, n] = sum_k x[t, k] * weight[n, k], accumulated in FP32 and stored as out_dtype (bf16: rounded to
@@ -178,10 +172,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dty
     check_tensor("out", out, out_dtype, (T, N), x.device)
     if T == 0 or N == 0:
         return out
-    o0, o1 = _span(out)
     for name, t in (("x", x), ("weight", weight)):
-        a0, a1 = _span(t)
-        if a0 < o1 and o0 < a1:
+        if overlaps(out, t):
             raise ValueError(f"out overlaps {name}: in-place skinny_linear is not supported")
     cfg = config or _config(T, N, K)
     if config is None and triton.knobs.runtime.interpret:
