@@ -6,7 +6,9 @@ The trainer is this process: it generates every tensor on the GPU under Hugging 
 expert layout, or the Hub's per-expert one as views of it) and pushes it with WeightSync into a RolloutPool worker
 (a Ray actor on the same GPU, MXFP8 experts). A row's seconds run from `push` to the worker serving the new version:
 staging (the worker maps or receives each bucket and re-quantizes the experts on the GPU), validation of the whole
-update (every value finite), and the swap. GB/s is the source's bytes over those seconds. The target is cuda_ipc with
+update (every value finite), and the swap. GB/s is the source's bytes over those seconds; `shares` counts the IPC
+shares of a cuda_ipc push (each allocation once per bucket it has tensors in: the Hub layout's tensors are views of
+the fused layout's allocations, so it shares about as often as the fused one). The target is cuda_ipc with
 the fused layout at <= 0.5 s (NeMo-RL's fastest published Qwen3-30B refit: 0.74-1.0 s; verl and slime: about 7 s).
 After the runs, a few of the worker's tensors are read back and compared bit for bit with the host quantizer's bytes.
 Needs ray (carried as wheels on the lent GPU machine: jobs/gpu_sync.sh).
@@ -130,11 +132,13 @@ def main() -> None:
     device = torch.device("cuda", free[0] if collective else held[0])
     torch.cuda.set_device(device)
     fused, hub, nbytes = make_state(args.preset, device)
+    allocations = len({t.untyped_storage().data_ptr() for _, t in hub})
     print(f"worker built in {build_s:.1f} s; trainer state {nbytes / 1e9:.1f} GB BF16 ({len(fused)} fused-layout "
-          f"tensors, {len(hub)} in the Hub layout) on {torch.cuda.get_device_name(device)}")
+          f"tensors, {len(hub)} in the Hub layout, all in {allocations} allocations) on "
+          f"{torch.cuda.get_device_name(device)}")
     rows, version = [], 0
     print(f"{'transport':>12} {'layout':>6} {'bucket':>7} {'best s':>8} {'GB/s':>7} {'stage s':>8} {'valid s':>8} "
-          f"{'swap s':>7} {'buckets':>7}  all reps (s)")
+          f"{'swap s':>7} {'buckets':>7} {'shares':>7}  all reps (s)")
     for run in args.runs:
         transport, layout, bucket_mb = run.split(":")
         sync = WeightSync(pool, transport=transport, bucket_mb=int(bucket_mb), timeout_s=900)
@@ -150,11 +154,13 @@ def main() -> None:
         rows.append({"transport": transport, "layout": layout, "bucket_mb": int(bucket_mb), "seconds": best.seconds,
                      "gb_per_s": best.gb_per_s, "stage_s": best.stage_s, "validate_s": best.prepare_s,
                      "swap_s": best.commit_s, "buckets": best.buckets, "tensors": best.tensors,
+                     "shared_storages": best.shared_storages,
                      "reps_s": [round(s.seconds, 4) for s in stats], "broadcast_gb_per_s": ceiling,
                      "of_broadcast": ceiling and round(best.gb_per_s / ceiling, 3)})
         r = rows[-1]
         print(f"{transport:>12} {layout:>6} {bucket_mb:>7} {r['seconds']:>8.3f} {r['gb_per_s']:>7.1f} "
-              f"{r['stage_s']:>8.3f} {r['validate_s']:>8.3f} {r['swap_s']:>7.3f} {r['buckets']:>7}  {r['reps_s']}"
+              f"{r['stage_s']:>8.3f} {r['validate_s']:>8.3f} {r['swap_s']:>7.3f} {r['buckets']:>7} "
+              f"{r['shared_storages']:>7}  {r['reps_s']}"
               + (f"  plain broadcast {ceiling:.1f} GB/s ({100 * r['of_broadcast']:.0f}%)" if ceiling else ""),
               flush=True)
     exact = check_exact(pool, fused, preset(args.preset).num_hidden_layers)

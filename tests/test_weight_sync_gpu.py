@@ -1,12 +1,15 @@
 """Weight sync with GPU workers (marked gpu; skipped on CPU): one worker on a GPU (tiny model, BF16 with MXFP8
 experts re-quantized by the Triton kernel), the trainer's tensors on the same GPU. cuda_ipc and object_store land
-bit-exact (the kernel's bytes equal the host quantizer's); a NaN found on the GPU fails naming the tensor and
-changes nothing; collective refuses NCCL between ranks that share a GPU, and runs NCCL when there are two GPUs.
+bit-exact (the kernel's bytes equal the host quantizer's), cuda_ipc also from Hub-layout tensors that are all views
+of one allocation (a trainer's flat buffer), sharing it once per bucket; a NaN found on the GPU fails naming the
+tensor and changes nothing; collective refuses NCCL between ranks that share a GPU, and runs NCCL when there are two
+GPUs.
 Uses a Ray instance of its own (ray.init): the GPU image carries ray as wheels, without the dashboard's needs."""
 
 import pytest
 import ray
 import torch
+from test_ipc_views import carve
 from weight_sources import assert_bitwise_equal, expected, named, source_model
 
 from composer_rollout.config import EngineConfig, KernelConfig, ModelConfig, RolloutConfig, SyncConfig, WeightDtype
@@ -53,6 +56,25 @@ def test_sync_lands_bit_exact_on_a_gpu_worker(pool, transport, layout, dtype):
     version = version_of(pool) + 1
     stats = WeightSync(pool, transport=transport, bucket_mb=1).push(on_gpu(src), version)
     assert stats.version == version and stats.tensors == len(src)
+    assert stats.shared_storages == (len(src) if transport == "cuda_ipc" else 0)  # each tensor an allocation of its own
+    assert_bitwise_equal(ray.get(pool.workers[0].weights.remote()), expected(src, REF))
+    assert {r.weight_version for r in generate(pool)} == {version}
+
+
+@pytest.mark.parametrize("bucket_mb", [1, 64])
+def test_cuda_ipc_shares_one_allocation_once_per_bucket(pool, bucket_mb):
+    """Every Hub-layout tensor a view of one CUDA allocation (BF16 and FP32 mixed, misaligned, some transposed or
+    row-padded): one IPC share per bucket, and the worker holds the source (its MXFP8 experts the host quantizer's
+    bytes)."""
+    src = [(n, t.float() if "layers.1." in n else t) for n, t in named(source_model(75), "hub")]
+    transposed = {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.0.gate_proj.weight",
+                  "model.layers.1.mlp.experts.4.down_proj.weight"}
+    padded = {"model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight"}
+    pairs, _ = carve(src, "cuda", transposed, padded)
+    version = version_of(pool) + 1
+    stats = WeightSync(pool, transport="cuda_ipc", bucket_mb=bucket_mb).push(pairs, version)
+    assert stats.tensors == len(src) and stats.shared_storages == stats.buckets
+    assert (stats.buckets == 1) == (bucket_mb == 64)
     assert_bitwise_equal(ray.get(pool.workers[0].weights.remote()), expected(src, REF))
     assert {r.weight_version for r in generate(pool)} == {version}
 

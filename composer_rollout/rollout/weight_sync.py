@@ -26,7 +26,8 @@ Transports (composer_rollout.sync.channels holds their Ray-free ends):
   for this WeightSync's lifetime (rebuilt after a failed push): one broadcast per bucket into each worker's
   preallocated buffer. NCCL when the trainer and every worker are on GPUs, gloo otherwise.
 - cuda_ipc: trainer and worker on one GPU; the worker maps the trainer's tensors (no packing, no serialisation) and
-  re-quantizes straight from them. The trainer's tensors must not change until push returns.
+  re-quantizes straight from them. Each bucket shares each distinct storage once and sends the tensors as views of
+  them (per-expert names are views of a few allocations). The trainer's tensors must not change until push returns.
 """
 
 import time
@@ -43,7 +44,7 @@ from composer_rollout.config import SyncConfig
 from composer_rollout.rollout.pool import NAMESPACE, worker_name
 from composer_rollout.sync import TRANSPORTS, WeightSyncError
 from composer_rollout.sync.buckets import buckets, layout, pack
-from composer_rollout.sync.channels import GroupSpec, SyncGroup, device_uuid, host_store, share_cuda
+from composer_rollout.sync.channels import GroupSpec, SyncGroup, device_uuid, host_store, share_bucket
 
 MODES = ("drain", "abort", "inflight")
 
@@ -60,6 +61,7 @@ class SyncStats:
     tensors: int
     bytes: int
     buckets: int
+    shared_storages: int = 0  # cuda_ipc: IPC shares (each distinct storage once per bucket), what its host time tracks
 
     @property
     def gb_per_s(self) -> float:
@@ -90,7 +92,8 @@ class WeightSync:
         self._specs: list[GroupSpec] = []
         self._host_buf: torch.Tensor | None = None
         self._dev_buf: torch.Tensor | None = None
-        self._shared: list[torch.Tensor] = []  # cuda_ipc: the tensors the workers map, alive until they prepared
+        self._shared: list[torch.Tensor] = []  # cuda_ipc: the storages the workers map, alive until they prepared
+        self._shares = 0  # cuda_ipc: storages shared by the last push (each once per bucket it has tensors in)
         self._pushing: int | None = None
 
     @classmethod
@@ -141,7 +144,7 @@ class WeightSync:
         if partial and self.version is None:
             raise WeightSyncError("a partial update needs a full one first: the workers' base version is unknown")
         session, start = f"{version}-{uuid.uuid4().hex[:12]}", time.perf_counter()
-        self._pushing = version
+        self._pushing, self._shares = version, 0
         try:
             self._begin(session, version, partial)
             counts = self._send(session, named_tensors)
@@ -159,7 +162,7 @@ class WeightSync:
             self.version = version
         seconds = time.perf_counter() - start
         return SyncStats(version, seconds, stage_s, prepare_s, seconds - stage_s - prepare_s,
-                         prepared[0]["tensors"], prepared[0]["bytes"], counts)
+                         prepared[0]["tensors"], prepared[0]["bytes"], counts, self._shares)
 
     def _begin(self, session: str, version: int, partial: bool) -> None:
         kw = {"partial": partial, "base_version": self.version if partial else None, "transport": self.transport}
@@ -254,18 +257,16 @@ class WeightSync:
         device = torch.device("cuda", torch.cuda.current_device())
         pending, count, self._shared = deque(), 0, []  # kept alive until the workers prepared
         for bucket in buckets(named_tensors, self.bucket_bytes):
-            # torch records the IPC event (what the worker's stream waits on) only the first time a storage is shared:
-            # wait here for the trainer's writes to this bucket (an optimizer step, a gather) instead.
+            # The worker's stream waits on a share's IPC event only where it maps the storage anew (one still mapped for
+            # an earlier bucket is reused without a wait): wait here for the trainer's writes to this bucket instead.
             torch.cuda.current_stream(device).synchronize()
-            items = []
-            for name, t in bucket:
-                if t.device != device:
-                    raise WeightSyncError(f"{name}: cuda_ipc shares this process's {device} memory; the tensor is on "
-                                          f"{t.device}")
-                t = t.detach().contiguous()
-                self._shared.append(t)
-                items.append((name, share_cuda(t)))
-            self._in_flight(pending, [w.sync_stage_ipc.remote(session, items) for w in self.workers])
+            try:
+                shared, storages = share_bucket(bucket, device)
+            except ValueError as e:
+                raise WeightSyncError(str(e)) from None
+            self._shared += storages
+            self._shares += len(storages)
+            self._in_flight(pending, [w.sync_stage_ipc.remote(session, shared) for w in self.workers])
             count += 1
         self._in_flight(pending, None)
         return count

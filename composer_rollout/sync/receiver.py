@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from composer_rollout.sync.buckets import TensorMeta, unpack
-from composer_rollout.sync.channels import GroupSpec, SyncGroup, local_device, open_cuda
+from composer_rollout.sync.channels import GroupSpec, SharedBucket, SyncGroup, as_views, local_device, open_bucket
 from composer_rollout.sync.update import WeightSyncError, WeightUpdate
 
 TRANSPORTS = ("object_store", "collective", "cuda_ipc")
@@ -33,7 +33,7 @@ class _Session:
     touched: float
     prepared: bool = False
     error: str | None = None
-    mapped: list = field(default_factory=list)  # CUDA IPC views, kept until the staging stream is done with them
+    mapped: list = field(default_factory=list)  # CUDA IPC storages, kept until the staging stream is done with them
 
 
 class SyncReceiver:
@@ -148,20 +148,19 @@ class SyncReceiver:
         if self._group is not None and (self._recv is None or self._recv.numel() < nbytes):
             self._recv = torch.empty(nbytes, dtype=torch.uint8, device=self._group.device)
 
-    def stage_ipc(self, session_id: str, items: list[tuple[str, tuple]]) -> int:
-        """cuda_ipc: (name, shared-tensor description) pairs; maps each of the trainer's tensors and stages it."""
+    def stage_ipc(self, session_id: str, bucket: SharedBucket) -> int:
+        """cuda_ipc: one bucket as the trainer's shared storages and its tensors' views of them; maps each storage
+        once and stages the views."""
         s = self._active(session_id)
         if self._ipc_device is None:
             raise WeightSyncError(f"sync session {session_id} did not begin with transport cuda_ipc")
-
-        def mapped():
-            for name, args in items:
-                t = open_cuda(args, self._ipc_device)
-                s.mapped.append(t)
-                yield name, t
-
         with torch.cuda.device(self._ipc_device):
-            return self._stage(session_id, mapped())
+            try:
+                storages = open_bucket(bucket, self._ipc_device)
+            except ValueError as e:
+                self._fail(s, e)
+            s.mapped += storages
+            return self._stage(session_id, as_views(storages, bucket.views))
 
     def prepare(self, session_id: str) -> dict:
         """Validate the whole update (this worker's vote); returns {"version", "tensors", "bytes"}."""

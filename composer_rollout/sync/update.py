@@ -194,6 +194,8 @@ class WeightUpdate:
                 continue
             if src.device != self.model.device:  # the quantizer reads the source where it writes
                 src = src.to(self.model.device, non_blocking=True)
+            if self.mxfp8 and self.quantizer.kernel and not (src.is_contiguous() or src[0].is_contiguous()):
+                src = src.contiguous()  # cuda_ipc maps the trainer's view (transposed, say); the kernel reads rows
             staged = self._staged_experts(target)
             index = (slice(None) if target.expert is None else target.expert, target.rows)
             if self.mxfp8:
