@@ -3,7 +3,8 @@
 Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`, `expert`
 (kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
 tuned tiles); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
-above); `expert_centric_f16` (its dequant "f16_rel": FP16 dots, kernels/mx_tiles.py); `expert_centric_act_mxfp8`
+above); `expert_centric_f16` (its dequant "f16_rel": FP16 dots, kernels/mx_tiles.py); `expert_centric_fp8` (its
+dequant "fp8": FP8 dots on the MXFP8 weights as stored, activations split hi + lo); `expert_centric_act_mxfp8`
 (activations quantized to MXFP8, an accuracy comparison: it syncs with the host, so it is timed eagerly). Each path
 runs as CUDA-graph replays over --layers layers with distinct weights (8 layers of Qwen3-30B-A3B MXFP8 experts are 5
 GB, far over the 60 MB L2), uniform random routing, random inputs (never zeros). Ceilings measured in the same run:
@@ -136,12 +137,14 @@ def path(name, tiles=None):
         return "expert_centric", expert_centric_moe, True
     if name == "expert_centric_f16":  # FP16 dots on relative operands (kernels/mx_tiles.py), its own tuned table
         return "expert_centric:f16_rel", lambda *args: expert_centric_moe(*args, dequant="f16_rel"), True
+    if name == "expert_centric_fp8":  # FP8 dots on MXFP8 weights as stored, split activations (kernels/fp8_split.py)
+        return "expert_centric:fp8", lambda *args: expert_centric_moe(*args, dequant="fp8"), True
     if name == "expert_centric_act_mxfp8":
         return "expert_centric:act_mxfp8(eager)", lambda *args: expert_centric_moe(*args, act_dtype="mxfp8"), False
     if name == "kernel_auto":
         return "kernel:auto", auto_moe, True
     raise ValueError(f"unknown path {name!r}: choose from {', '.join(WARP_SCHEDULES)}, expert_centric, "
-                     "expert_centric_f16, expert_centric_act_mxfp8, kernel_auto")
+                     "expert_centric_f16, expert_centric_fp8, expert_centric_act_mxfp8, kernel_auto")
 
 
 def bench_shape(name, shape, tokens, layers, reps, paths, sweep, warp_max_tokens):

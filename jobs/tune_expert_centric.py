@@ -13,9 +13,11 @@ printed and skipped. About 3 minutes on an H200 (much of it compiling the 80 ker
 
 --dequant f16_rel tunes that variant of the GEMMs (FP16 dots, kernels/mx_tiles.py) into its own table,
 expert_centric_<gpu>_f16_rel.json (same format, no crossover: `auto` keeps the BF16 table's), and skips warp
-decode. --quick keeps one num_stages per tile (3), halving the grid, for a short check of a variant.
+decode. --dequant fp8 tunes the FP8-dot GEMMs (kernels/moe_gate_up_fp8.py, moe_down_fp8.py) into
+expert_centric_<gpu>_fp8.json, with its own crossover against warp decode. --quick keeps one num_stages per
+tile (3), halving the grid, for a short check of a variant.
 
-Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel] [--quick]
+Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick]
 writes DIR/expert_centric_<gpu>[_f16_rel].json (default kernels/configs/, where the launcher reads it), prints a
 table.
 """
@@ -41,9 +43,12 @@ from kernels.expert_centric_moe import (
     shape_key,
     table_name,
 )
+from kernels.fp8_split import FP8Split, fp8_split_rows
 from kernels.moe_align import moe_align
 from kernels.moe_down import moe_down
+from kernels.moe_down_fp8 import moe_down_fp8
 from kernels.moe_gate_up import moe_gate_up
+from kernels.moe_gate_up_fp8 import moe_gate_up_fp8
 from kernels.warp_decode_moe import warp_decode_moe
 
 SHAPE = dict(H=2048, I=768, E=128, k=8)
@@ -55,8 +60,17 @@ def block_ms(T: int, k: int, E: int) -> tuple[int, ...]:
     return (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 64 else (64, 128)
 
 
-def candidates(kernel: str, block_m: int, quick: bool = False) -> list[GemmConfig]:
+def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False) -> list[GemmConfig]:
     out = []
+    if fp8:  # block_k is only an unroll count of 32-wide FP8 steps there; each step's tiles are cp.async-pipelined
+        for bn in (64, 128):
+            acc = bn * block_m * (2 if kernel == "gate_up" else 1)
+            for bk in (64, 128):
+                for warps in (4, 8):
+                    if (warps == 8 and acc < 4096) or (warps == 4 and acc > 8192):
+                        continue
+                    out += [GemmConfig(bn, bk, warps, st) for st in ((3,) if quick else (2, 3, 4))]
+        return out
     for bn in (64, 128):
         acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
         for bk in (64, 128):
@@ -88,23 +102,37 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False):
     device = inputs[0][0].device
     part = torch.empty(T * k, H, dtype=torch.float32, device=device)
     results = []
+    fp8 = dequant == "fp8"
+    xs = [fp8_split_rows(h) if fp8 else h for h, _, _ in inputs]
     for bm in block_ms(T, k, E):
         aligned = [moe_align(ids, E, bm) for _, _, ids in inputs]
-        acts = [torch.zeros(s.shape[0], I, dtype=torch.bfloat16, device=device) for s, _ in aligned]
+        if fp8:
+            acts = [FP8Split(*(torch.zeros(s.shape[0], n, dtype=dt, device=device) for n, dt in (
+                (I, torch.float8_e4m3fn), (I, torch.float8_e4m3fn), (I // 32, torch.uint8)))) for s, _ in aligned]
+        else:
+            acts = [torch.zeros(s.shape[0], I, dtype=torch.bfloat16, device=device) for s, _ in aligned]
 
         def gate_up(cfg, bm=bm, aligned=aligned, acts=acts):
-            for (h, _, _), (s, b), w, act in zip(inputs, aligned, mx, acts, strict=True):
-                moe_gate_up(h, s, b, w[0], act, num_pairs=T * k, top_k=k, block_m=bm, block_n=cfg.block_n,
-                            block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, dequant=dequant)
+            for x, (s, b), w, act in zip(xs, aligned, mx, acts, strict=True):
+                kw = dict(num_pairs=T * k, top_k=k, block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                if fp8:
+                    moe_gate_up_fp8(x, s, b, w[0], act, **kw)
+                else:
+                    moe_gate_up(x, s, b, w[0], act, **kw, dequant=dequant)
 
         def down(cfg, bm=bm, aligned=aligned, acts=acts):
             for (_, wts, _), (s, b), w, act in zip(inputs, aligned, mx, acts, strict=True):
-                moe_down(act, s, b, wts, w[1], part, block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, dequant=dequant)
+                kw = dict(block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages)
+                if fp8:
+                    moe_down_fp8(act, s, b, wts, w[1], part, **kw)
+                else:
+                    moe_down(act, s, b, wts, w[1], part, **kw, dequant=dequant)
 
-        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick), gate_up, reps)
+        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick, fp8), gate_up, reps)
         gate_up(gu)  # real act values for down
-        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick), down, reps)
+        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick, fp8), down, reps)
         print(f"  T={T} block_m={bm}: gate_up {gu_us / layers:.1f} µs ({short(gu)}), down {dn_us / layers:.1f} µs "
               f"({short(dn)})", flush=True)
         results.append((gu_us + dn_us, ExpertCentricConfig(bm, gu, dn)))
@@ -131,7 +159,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=240, help="no new bucket is started after this many seconds")
-    parser.add_argument("--dequant", default="bf16", choices=("bf16", "f16_rel"))
+    parser.add_argument("--dequant", default="bf16", choices=("bf16", "f16_rel", "fp8"))
     parser.add_argument("--quick", action="store_true", help="one num_stages per tile: a short check of a variant")
     args = parser.parse_args()
     start = time.time()
@@ -146,7 +174,7 @@ def main():
             break
         cfg, ec_us, err, inputs = tune_bucket(T, mx, args.layers, args.reps, args.dequant, args.quick)
         row = dict(expert_centric_us=round(ec_us, 2), rel_err=float(f"{err:.3g}"))
-        if ec_wins < 2 and args.dequant == "bf16":  # the crossover belongs to the BF16 table
+        if ec_wins < 2 and args.dequant != "f16_rel":  # f16_rel (opt-in) keeps the BF16 table's crossover
             outs = [torch.empty_like(h) for h, _, _ in inputs]
             row["warp_decode_us"] = round(time_graph(lambda inputs=inputs, outs=outs: [
                 warp_decode_moe(*inp, *w, out=o) for inp, w, o in zip(inputs, mx, outs, strict=True)],
@@ -168,7 +196,7 @@ def main():
                  note="µs per layer, CUDA-graph replays over 8 layers of MXFP8 experts, uniform random routing",
                  dequant=args.dequant, shapes={shape_key(E, H, I, k): dict(weights="mxfp8", configs=configs,
                                                                            measured=measured)})
-    if args.dequant == "bf16":
+    if args.dequant != "f16_rel":
         table["shapes"][shape_key(E, H, I, k)]["crossover_tokens"] = crossover
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, table_name(device_key(torch.device("cuda")), args.dequant))

@@ -22,7 +22,10 @@ not a fast path (the quantizer checks for non-finite values, a host sync, so it 
 
 dequant "f16_rel" (MXFP8 weights only) runs both GEMMs' dots in FP16 on chunk-relative operands instead of BF16
 (kernels/mx_tiles.py: cheaper MXFP8 dequantization, exact within the bounds documented there); "bf16" stays the
-default until measured on the GPU.
+default until measured on the GPU. dequant "fp8" (MXFP8 weights only) does no dequantization: FP8 tensor-core dots
+on the weights as stored, the activations split into hi + lo E4M3 terms (kernels/fp8_split.py: hidden per token
+in one more launch, act per 32 by the gate_up epilogue), each 32-wide K group's dot promoted into the FP32
+accumulator times its scales (kernels/moe_gate_up_fp8.py, kernels/moe_down_fp8.py).
 
 Tile sizes per T come from a table tuned on the GPU by jobs/tune_expert_centric.py (kernels/configs/
 expert_centric_<device>.json, per shape and T bucket, as vLLM keeps its fused_moe configs), else from
@@ -39,10 +42,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.fp8_split import FP8Split, fp8_split_rows
 from kernels.moe_align import moe_align
 from kernels.moe_combine import moe_combine
 from kernels.moe_down import moe_down
+from kernels.moe_down_fp8 import moe_down_fp8
 from kernels.moe_gate_up import moe_gate_up
+from kernels.moe_gate_up_fp8 import moe_gate_up_fp8
 from kernels.moe_reference import check_kernel_args, check_tensor, weight_parts
 from kernels.mx_tiles import DEQUANT_MODES
 from kernels.mxfp8 import mxfp8_quantize
@@ -52,6 +58,9 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 # `auto` on a shape or device with no measured crossover: warp decode for T <= 2. From docs/perf.md run 3 and
 # vLLM's fused_moe quoted in background.md: warp decode 37.4 µs vs 38.2 at T = 2, 61.4 vs 50.9 at T = 4.
 DEFAULT_CROSSOVER_TOKENS = 2
+# The GEMMs' operand modes: BF16 or FP16 dots on dequantized tiles (kernels/mx_tiles.py), or FP8 dots on MXFP8 weights
+# as stored with split activations (kernels/moe_gate_up_fp8.py).
+DEQUANTS = (*DEQUANT_MODES, "fp8")
 
 
 def _pow2(x: int) -> bool:
@@ -159,8 +168,11 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
         raise TypeError("w13 and w2 must both be MXFP8Tensor or both bfloat16")
     if act_dtype not in ("bf16", "mxfp8"):
         raise ValueError(f"act_dtype must be 'bf16' or 'mxfp8', got {act_dtype!r}")
-    if dequant not in DEQUANT_MODES or (dequant == "f16_rel" and not mx13):
-        raise ValueError(f"dequant must be one of {DEQUANT_MODES} ('f16_rel' with MXFP8 weights), got {dequant!r}")
+    if dequant not in DEQUANTS or (dequant in ("f16_rel", "fp8") and not mx13):
+        raise ValueError(f"dequant must be one of {DEQUANTS} ('f16_rel' and 'fp8' with MXFP8 weights), got "
+                         f"{dequant!r}")
+    if dequant == "fp8" and act_dtype != "bf16":
+        raise ValueError(f"dequant 'fp8' splits the activations itself; act_dtype must be 'bf16', got {act_dtype!r}")
     (T, H), k, E, I = hidden.shape, topk_ids.shape[1], w13.shape[0], w2.shape[-1]
     out = torch.empty_like(hidden) if out is None else out
     check_tensor("out", out, torch.bfloat16, (T, H), hidden.device)
@@ -171,6 +183,9 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     cfg = config or tuned_config(T, E, H, I, k, hidden.device, dequant)
     sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
     S = sorted_ids.shape[0]
+    if dequant == "fp8":
+        _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg, out)
+        return out
     mx_act = act_dtype == "mxfp8"
     x = mxfp8_quantize(hidden) if mx_act else hidden
     # Zeros for the quantizer's sake: rows of blocks past the last expert are never written (nor read).
@@ -185,6 +200,24 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
              num_stages=d.num_stages, dequant=dequant)
     moe_combine(part, out, k)
     return out
+
+
+def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg: ExpertCentricConfig, out) -> None:
+    """dequant "fp8": hidden split per token, both GEMMs on FP8 dots, act split per 32 between them, combine. The
+    tiles' block_k is cut to a divisor of the reduction (the FP8 kernels take whole 32-wide groups per step)."""
+    (T, H), k, I = hidden.shape, topk_weights.shape[1], w2.shape[-1]
+    S, dev = sorted_ids.shape[0], hidden.device
+    act = FP8Split(torch.empty((S, I), dtype=torch.float8_e4m3fn, device=dev),
+                   torch.empty((S, I), dtype=torch.float8_e4m3fn, device=dev),
+                   torch.empty((S, I // 32), dtype=torch.uint8, device=dev))
+    g, d = cfg.gate_up, cfg.down
+    moe_gate_up_fp8(fp8_split_rows(hidden), sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k,
+                    block_m=cfg.block_m, block_n=g.block_n, block_k=math.gcd(g.block_k, H), num_warps=g.num_warps,
+                    num_stages=g.num_stages)
+    part = torch.empty((T * k, H), dtype=torch.float32, device=dev)
+    moe_down_fp8(act, sorted_ids, block_expert, topk_weights, w2, part, block_m=cfg.block_m,
+                 block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages)
+    moe_combine(part, out, k)
 
 
 def auto_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,

@@ -22,6 +22,7 @@ scales span more than 15 binades, or one token's values within a chunk more than
 FP16 values are computed, then widened to FP32 for the dot.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -101,6 +102,41 @@ def row_tile(d_ptr, s_ptr, row, row_ok, k0, KDIM: tl.constexpr, BK: tl.constexpr
         return tl.reshape(x.to(DOT) * e8m0_to_f32(s).to(DOT), (row.shape[0], BK))
     kk = k0 + tl.arange(0, BK)[None, :]
     return tl.load(d_ptr + row[:, None] * KDIM + kk, mask=_mask(row_ok[:, None], kk, KDIM, BK), other=0.0).to(DOT)
+
+
+@triton.jit
+def fp8_pair_dot(w, lo, hi, F32: tl.constexpr):
+    """w @ lo + w @ hi in FP32: E4M3 weights [R, 32] against an activation split into two E4M3 terms [32, M]
+    (kernels/fp8_split.py), two FP8 tensor-core dots into one accumulator (lo first, the smaller terms). F32: the
+    same values widened to FP32 (Triton's interpreter has no FP8 dot)."""
+    if F32:
+        wf = w.to(tl.float32)
+        return tl.dot(wf, hi.to(tl.float32), tl.dot(wf, lo.to(tl.float32)))
+    return tl.dot(w, hi, tl.dot(w, lo))
+
+
+_PACKED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def packed_scales(scales: torch.Tensor, block_k: int) -> torch.Tensor:
+    """E8M0 scales [..., K / 32] viewed block_k / 32 to a word (no copy): a kernel stepping block_k along K loads
+    one word per row per step, which cp.async can pipeline (it moves at least 4 bytes), instead of a byte per
+    32-wide group; `packed_scale` takes a group's byte out of the word."""
+    per = block_k // 32
+    if per not in _PACKED or scales.shape[-1] % per:
+        raise ValueError(f"block_k={block_k}: scales pack 1, 2, 4 or 8 to a word and must fill whole words "
+                         f"({scales.shape[-1]} per row)")
+    return scales.view(_PACKED[per])
+
+
+@triton.jit
+def packed_scale(words, j: tl.constexpr):
+    """2^(code - 127) of byte j of each word from `packed_scales` (little-endian: byte j is group j of the step)."""
+    if words.dtype.primitive_bitwidth == 64:
+        w = words
+    else:  # 32-bit shifts: one instruction each
+        w = words.to(tl.int32)
+    return e8m0_to_f32((w >> (8 * j)) & 0xFF)
 
 
 @triton.jit

@@ -75,6 +75,17 @@ def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     return torch.exp2(scales.to(torch.float32) - 127.0)
 
 
+def ceil_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The scale rule above: clamp(ceil(log2(amax / 448)), -126, 127) per element of amax (FP32, >= 0), int32."""
+    # frexp gives amax/448 = m * 2^p with m in [0.5, 1): ceil(log2) is p, or p - 1 when m == 0.5.
+    # It is exact where log2 on floats is not (log2(2^k * 448) must give exactly k).
+    mantissa, exponent = torch.frexp(amax / E4M3_MAX)
+    exp = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    # Test the quotient, not amax: amax <= 224 * 2^-149 (FP32 denormals) divides to 0, and frexp(0) is
+    # (0, 0), which would give scale 2^0 where the rule (clamped) gives 2^-126, as for a zero block.
+    return torch.where(mantissa > 0, exp, torch.full_like(exp, _MIN_EXP)).clamp(_MIN_EXP, _MAX_EXP)
+
+
 def mxfp8_quantize(weight: torch.Tensor) -> MXFP8Tensor:
     """Quantize [..., out, in] (any float dtype, in % 32 == 0) with the ceil-to-fit rule above."""
     if weight.shape[-1] % MXFP8_BLOCK:
@@ -83,14 +94,7 @@ def mxfp8_quantize(weight: torch.Tensor) -> MXFP8Tensor:
     if not torch.isfinite(w).all():
         raise ValueError("mxfp8_quantize: weight has non-finite values (inf or NaN)")
     blocks = w.reshape(*w.shape[:-1], w.shape[-1] // MXFP8_BLOCK, MXFP8_BLOCK)
-    amax = blocks.abs().amax(dim=-1)
-    # frexp gives amax/448 = m * 2^p with m in [0.5, 1): ceil(log2) is p, or p - 1 when m == 0.5.
-    # It is exact where log2 on floats is not (log2(2^k * 448) must give exactly k).
-    mantissa, exponent = torch.frexp(amax / E4M3_MAX)
-    exp = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    # Test the quotient, not amax: amax <= 224 * 2^-149 (FP32 denormals) divides to 0, and frexp(0) is
-    # (0, 0), which would give scale 2^0 where the rule (clamped) gives 2^-126, as for a zero block.
-    exp = torch.where(mantissa > 0, exp, torch.full_like(exp, _MIN_EXP)).clamp(_MIN_EXP, _MAX_EXP)
+    exp = ceil_exponent(blocks.abs().amax(dim=-1))
     # Dividing by a power of two in [2^-126, 2^127] is exact in FP32 (no double rounding).
     scaled = blocks * torch.exp2(-exp.to(torch.float32)).unsqueeze(-1)
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(weight.shape)

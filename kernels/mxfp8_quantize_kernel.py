@@ -49,6 +49,31 @@ _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the strided fi
 
 
 @triton.jit
+def e8m0_code(amax):
+    """The ceil-to-fit E8M0 code (1..254) of blocks whose largest |x| has FP32 bits `amax` (int32): the host's
+    clamp(ceil(log2(amax / 448)), -126, 127) + 127 (module docstring)."""
+    code = (amax >> 23) - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.minimum(tl.maximum(code, 1), 254)
+
+
+@triton.jit
+def inv_scale(code):
+    """2^(127 - code) in FP32, normal for codes 1..253 (254 gives 2^-127, a denormal, still exact)."""
+    return ((254 - code) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_rne(y):
+    """y (FP32, 0 <= y <= 448) rounded to nearest-even E4M3: (its byte without the sign, int32; its value, FP32).
+    One FP32 add does the rounding (module docstring); subtracting the constant back is exact (same binade)."""
+    e_top = tl.maximum(y.to(tl.int32, bitcast=True) >> 23, 121)  # E4M3's binade of y; 121 = its subnormals
+    magic = ((e_top + 20) << 23).to(tl.float32, bitcast=True)  # 2^23 * q for the E4M3 step q = 2^(e_top - 130)
+    r = y + magic
+    steps = r.to(tl.int32, bitcast=True) - magic.to(tl.int32, bitcast=True)
+    return (e_top << 3) - 968 + steps, r - magic  # ((e_top - 120) << 3) + steps - 8
+
+
+@triton.jit
 def _mxfp8_quantize_kernel(x_ptr, d_ptr, s_ptr, bad_ptr, nblk, x_bstride, d_bstride, s_bstride, table_ptr,
                            BF16_BITS: tl.constexpr, TABLE: tl.constexpr, BLOCKS: tl.constexpr):
     pid, seg = tl.program_id(0), tl.program_id(1)
@@ -74,14 +99,8 @@ def _mxfp8_quantize_kernel(x_ptr, d_ptr, s_ptr, bad_ptr, nblk, x_bstride, d_bstr
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
     a = bits & 0x7FFFFFFF
     amax = tl.max(a, axis=1)  # integer max of |x| bits: the float order for finite values, NaN-proof
-    code = (amax >> 23) - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
-    code = tl.minimum(tl.maximum(code, 1), 254)
-    inv_scale = ((254 - code) << 23).to(tl.float32, bitcast=True)  # 2^(127 - code), normal for codes 1..253
-    y = a.to(tl.float32, bitcast=True) * inv_scale[:, None]
-    e_top = tl.maximum(y.to(tl.int32, bitcast=True) >> 23, 121)  # E4M3's binade of y; 121 = its subnormals
-    magic = (e_top + 20) << 23  # 2^23 * q for the E4M3 step q = 2^(e_top - 130)
-    steps = (y + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
-    q = (e_top << 3) - 968 + steps  # ((e_top - 120) << 3) + steps - 8
+    code = e8m0_code(amax)
+    q, _ = e4m3_rne(a.to(tl.float32, bitcast=True) * inv_scale(code)[:, None])
     q = q | ((bits >> 24) & 0x80)
     bad = amax >= 0x7F800000
     tl.store(d_ptr + first * 32 + off, q.to(tl.uint8), mask=ok[:, None])

@@ -7,6 +7,8 @@ run natively. GPU (marker `gpu`): the Qwen3-30B-A3B shape at T = 1, 64, 1024, bo
 GPU arithmetic (FP32 GEMMs, act rounded to BF16, output rounded): 2.35e-3 against 4.2e-3 for the torch BF16 path.
 dequant "f16_rel": the same cases, and its tiles (kernels/mx_tiles.py) against their documented exactness bounds
 with scales spread within rows and activations beyond FP16's range; the interpreter computes the same FP16 values.
+dequant "fp8": the same cases (FP32 dots on the FP8 operands' values under the interpreter), and on the GPU the
+30B shape against the 3e-3 target, determinism and graph capture.
 """
 
 import importlib
@@ -110,6 +112,31 @@ def test_f16_rel_matches_reference(case):
     ref = moe_reference(args[0].float(), *args[1:], compute_dtype=torch.float32)
     rel, rel_bf16 = (((o - ref).norm() / ref.norm()).item() for o in (out, out_bf16))
     assert rel <= 1.01 * rel_bf16, (rel, rel_bf16)
+
+
+# dequant fp8 takes whole 32-wide groups per step: block_k 32 divides the odd reductions (96, 160) of the cases.
+FP8_CPU_CONFIG = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32))
+
+
+@pytest.mark.parametrize("case", ["mxfp8_odd", "mxfp8_skewed", "mxfp8_k1_e12", "packed_scales"])
+def test_fp8_matches_reference(case):
+    """FP8 dots on the stored weights, hidden split exactly and act to ~8 bits: within the BF16 variant's bounds,
+    and closer to FP32 than it (the interpreter truncates the BF16 variant's act; the split rounds to nearest).
+    packed_scales: block_k 128 for gate_up and 64 for down, so scales load 4 and 2 to a word (mx_tiles)."""
+    config = FP8_CPU_CONFIG
+    if case == "packed_scales":
+        args = _problem(T=6, k=2, E=5, H=256, I=128, mx=True, seed=4)
+        config = ExpertCentricConfig(16, GemmConfig(64, 128), GemmConfig(64, 64))
+    elif case == "mxfp8_odd":
+        args = _problem(T=7, k=3, E=6, H=96, I=160, mx=True, seed=1)
+    elif case == "mxfp8_skewed":
+        args = _problem(T=17, k=2, E=6, H=96, I=96, mx=True, ids=_skewed_ids(17), seed=3)
+    else:
+        args = _problem(T=5, k=1, E=12, H=160, I=96, mx=True, seed=2)
+    rel = _check(args, _run(args, config=config, dequant="fp8"))
+    ref = moe_reference(args[0].float(), *args[1:], compute_dtype=torch.float32)
+    rel_bf16 = ((_run(args, config=CPU_CONFIG) - ref).norm() / ref.norm()).item()
+    assert rel <= rel_bf16, (rel, rel_bf16)
 
 
 @triton.jit
@@ -252,6 +279,11 @@ def test_launcher_errors():
     with pytest.raises(ValueError, match="dequant"):
         expert_centric_moe(hidden, weights, ids, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16),
                            dequant="f16_rel")
+    with pytest.raises(ValueError, match="'fp8' with MXFP8 weights"):
+        expert_centric_moe(hidden, weights, ids, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16),
+                           dequant="fp8")
+    with pytest.raises(ValueError, match="act_dtype must be 'bf16'"):
+        expert_centric_moe(*args, dequant="fp8", act_dtype="mxfp8")
     with pytest.raises(ValueError, match="out"):
         expert_centric_moe(*args, out=torch.empty(3, 64, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="block_k"):
@@ -302,6 +334,26 @@ def test_gpu_qwen3_30b_shape_f16_rel(T):
     rel = ((out - ref).norm() / ref.norm()).item()
     rel_bf16 = ((_run(args) - ref).norm() / ref.norm()).item()
     assert rel <= 3e-3 and rel <= 1.05 * rel_bf16, (rel, rel_bf16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (1, 64, 1024))
+def test_gpu_qwen3_30b_shape_fp8(T):
+    """dequant fp8 at the 30B shape: within the 3e-3 target and no further from FP32 than the BF16 variant (whose
+    act is BF16; the split act keeps as many bits), deterministic, and captured in a CUDA graph like an eager call."""
+    args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=True, device="cuda", seed=20 + T)
+    ref = moe_reference(args[0].float(), *args[1:], compute_dtype=torch.float32)
+    out = _run(args, dequant="fp8")
+    assert torch.equal(out, _run(args, dequant="fp8")), "not deterministic"
+    rel = ((out - ref).norm() / ref.norm()).item()
+    rel_bf16 = ((_run(args) - ref).norm() / ref.norm()).item()
+    assert rel <= 3e-3 and rel <= 1.1 * rel_bf16, (rel, rel_bf16)
+    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(args[0])
+    with torch.cuda.graph(graph):
+        expert_centric_moe(*args, dequant="fp8", out=static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.float(), out)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,119 @@
+"""Activations as two FP8 E4M3 terms, hi + lo, under one power-of-two scale: operands for FP8 tensor-core dots.
+
+Why. The expert-centric GEMMs on MXFP8 weights were bound by dequantizing each weight to BF16 (docs/perf.md). With
+FP8 dots (kernels/moe_gate_up_fp8.py, kernels/moe_down_fp8.py) the weights go to the tensor cores as they are
+stored, and the activation becomes two E4M3 operands instead of one BF16: x * 2^-s = hi + lo, hi = rne(x * 2^-s),
+lo = rne(x * 2^-s - hi), both in the same units, so a dot on lo then on hi into one accumulator gives the dot on x.
+hi keeps 4 significant bits and lo the next 4, so a BF16 value (8 significant bits) splits exactly whenever it is
+at least 2^-10 of its scale group's maximum (lo's lowest bit then stays on E4M3's grid, 2^-9 in scaled units);
+smaller values err by at most 2^-10 in scaled units, 2^-18 of the group maximum. An FP32 value keeps ~8 bits, as
+in BF16. Scales follow the MXFP8 rule (kernels/mxfp8.py: ceil(log2(amax / 448)), codes 1..254; 255 marks a group
+with inf or NaN, which decodes to inf so that the GEMM's output is not finite either).
+
+Layout (row-major), R rows of N elements, G = N / group scale groups per row (group = N: one scale per row):
+    x [R, N] bf16 or fp32   hi, lo [R, N] float8_e4m3fn   scales [R, G] uint8 (E8M0 codes)
+`fp8_split_rows` is the launch for a row scale (hidden rows before the gate_up GEMM: one program per row); the
+gate_up GEMM splits its output tile per 32 with the same `split_e4m3` helper. Rounding is integer arithmetic and
+IEEE FP32 adds (kernels/mxfp8_quantize_kernel.py), so Triton's interpreter computes the GPU's bytes.
+Bytes: read R * N * 2 (bf16), write R * N * 2 + R * G.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_reference import check_tensor
+from kernels.mxfp8 import ceil_exponent
+from kernels.mxfp8_quantize_kernel import e4m3_rne, e8m0_code, inv_scale
+
+
+@dataclass(frozen=True)
+class FP8Split:
+    """x ~= (hi + lo) * 2^(scales - 127) per scale group: hi, lo float8_e4m3fn [R, N], scales uint8 [R, G]."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+    scales: torch.Tensor
+
+
+@triton.jit
+def split_codes(bits, axis: tl.constexpr):
+    """The scale code of each group along `axis` of |x|'s FP32 bits `bits` (int32): 255 where a value is not
+    finite, else the MXFP8 ceil-to-fit code."""
+    amax = tl.max(bits & 0x7FFFFFFF, axis=axis)  # integer max of |x| bits: the float order, NaN-proof
+    return tl.where(amax >= 0x7F800000, 255, e8m0_code(amax))
+
+
+@triton.jit
+def split_e4m3(bits, code):
+    """(hi, lo) E4M3 bytes (uint8) of x = FP32 bits `bits` (int32) under scale code `code` (broadcast to bits)."""
+    y = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale(tl.minimum(code, 254))
+    hq, hv = e4m3_rne(y)
+    r = y - hv  # exact: hv is y rounded to 4 significant bits
+    lq, _ = e4m3_rne(tl.abs(r))
+    sign = (bits >> 24) & 0x80
+    lo_sign = tl.where(r == 0, 0, tl.where(r < 0, sign ^ 0x80, sign))  # x - x is +0, as in the reference
+    return (hq | sign).to(tl.uint8), (lq | lo_sign).to(tl.uint8)
+
+
+@triton.jit
+def _split_rows_kernel(x_ptr, hi_ptr, lo_ptr, s_ptr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BN)
+    ok = n < N
+    x = tl.load(x_ptr + r * N + n, mask=ok, other=0)
+    if BF16_BITS:  # BF16 read as int16: its FP32 bits are the top half (the interpreter's cast loses denormals)
+        bits = x.to(tl.int32) << 16
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+    code = split_codes(bits, 0)
+    hi, lo = split_e4m3(bits, code)
+    tl.store(hi_ptr + r * N + n, hi, mask=ok)
+    tl.store(lo_ptr + r * N + n, lo, mask=ok)
+    tl.store(s_ptr + r, code.to(tl.uint8))
+
+
+def fp8_split_rows(x: torch.Tensor, out: FP8Split | None = None) -> FP8Split:
+    """x [R, N] (bf16 or fp32, contiguous) split with one scale per row, into `out` if given (scales [R, 1])."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be a bfloat16 or float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [R, N] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
+    R, N = x.shape
+    if out is None:
+        out = FP8Split(torch.empty((R, N), dtype=torch.float8_e4m3fn, device=x.device),
+                       torch.empty((R, N), dtype=torch.float8_e4m3fn, device=x.device),
+                       torch.empty((R, 1), dtype=torch.uint8, device=x.device))
+    check_tensor("out.hi", out.hi, torch.float8_e4m3fn, (R, N), x.device)
+    check_tensor("out.lo", out.lo, torch.float8_e4m3fn, (R, N), x.device)
+    check_tensor("out.scales", out.scales, torch.uint8, (R, 1), x.device)
+    if R == 0:
+        return out
+    bn = triton.next_power_of_2(N)
+    bf16 = x.dtype == torch.bfloat16
+    _split_rows_kernel[(R,)](x.view(torch.int16) if bf16 else x, out.hi.view(torch.uint8), out.lo.view(torch.uint8),
+                             out.scales, N, BF16_BITS=bf16, BN=bn, num_warps=4 if bn <= 2048 else 8)
+    return out
+
+
+def fp8_split_reference(x: torch.Tensor, group: int | None = None) -> FP8Split:
+    """The torch reference of the split, [R, N] -> FP8Split with one scale per `group` elements (None: per row).
+    Assumes finite x (the kernels mark non-finite groups with code 255; this reference does not)."""
+    R, N = x.shape
+    g = N if group is None else group
+    blocks = x.float().reshape(R, N // g, g)
+    exp = ceil_exponent(blocks.abs().amax(dim=-1))
+    y = blocks * torch.exp2(-exp.float()).unsqueeze(-1)  # exact: a power of two
+    hi = y.to(torch.float8_e4m3fn)
+    lo = (y - hi.float()).to(torch.float8_e4m3fn)
+    return FP8Split(hi.reshape(R, N), lo.reshape(R, N), (exp + 127).to(torch.uint8))
+
+
+def fp8_split_value(s: FP8Split, group: int | None = None) -> torch.Tensor:
+    """(hi + lo) * 2^(scale - 127) in FP32: the value the FP8 dots compute with."""
+    R, N = s.hi.shape
+    g = N if group is None else group
+    v = (s.hi.float() + s.lo.float()).reshape(R, N // g, g)
+    return (v * torch.exp2(s.scales.float() - 127).unsqueeze(-1)).reshape(R, N)
