@@ -63,12 +63,13 @@ def block_ms(T: int, k: int, E: int) -> tuple[int, ...]:
 def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False) -> list[GemmConfig]:
     out = []
     if fp8:  # block_k is only an unroll count of 32-wide FP8 steps there; each step's tiles are cp.async-pipelined
-        for bn in (64, 128):
-            acc = bn * block_m * (2 if kernel == "gate_up" else 1)
+        # The dot's M: gate_up stacks gate and up rows. wgmma needs 64 rows per warpgroup (fewer fall back to mma.sync
+        # with FP8 -> FP16 converts); at 128 rows on one warpgroup the scale vector passes through shared memory each
+        # step (sm_90 PTX), on two it does not: 4 warps per 64 rows, and also 4 at 128 for the tuner to compare.
+        for bn in (32, 64, 128):
+            m = bn * (2 if kernel == "gate_up" else 1)
             for bk in (64, 128):
-                for warps in (4, 8):
-                    if (warps == 8 and acc < 4096) or (warps == 4 and acc > 8192):
-                        continue
+                for warps in {64: (4,), 128: (8, 4)}.get(m, ()):
                     out += [GemmConfig(bn, bk, warps, st) for st in ((3,) if quick else (2, 3, 4))]
         return out
     for bn in (64, 128):
@@ -107,8 +108,7 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False):
     for bm in block_ms(T, k, E):
         aligned = [moe_align(ids, E, bm) for _, _, ids in inputs]
         if fp8:
-            acts = [FP8Split(*(torch.zeros(s.shape[0], n, dtype=dt, device=device) for n, dt in (
-                (I, torch.float8_e4m3fn), (I, torch.float8_e4m3fn), (I // 32, torch.uint8)))) for s, _ in aligned]
+            acts = [FP8Split.empty(s.shape[0], I, I // 32, device) for s, _ in aligned]
         else:
             acts = [torch.zeros(s.shape[0], I, dtype=torch.bfloat16, device=device) for s, _ in aligned]
 

@@ -51,7 +51,7 @@ from kernels.moe_gate_up import moe_gate_up
 from kernels.moe_gate_up_fp8 import moe_gate_up_fp8
 from kernels.moe_reference import check_kernel_args, check_tensor, weight_parts
 from kernels.mx_tiles import DEQUANT_MODES
-from kernels.mxfp8 import mxfp8_quantize
+from kernels.mxfp8 import MXFP8Tensor, mxfp8_quantize
 from kernels.warp_decode_moe import warp_decode_moe
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -59,8 +59,11 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 # vLLM's fused_moe quoted in background.md: warp decode 37.4 µs vs 38.2 at T = 2, 61.4 vs 50.9 at T = 4.
 DEFAULT_CROSSOVER_TOKENS = 2
 # The GEMMs' operand modes: BF16 or FP16 dots on dequantized tiles (kernels/mx_tiles.py), or FP8 dots on MXFP8 weights
-# as stored with split activations (kernels/moe_gate_up_fp8.py).
-DEQUANTS = (*DEQUANT_MODES, "fp8")
+# as stored with split activations (kernels/moe_gate_up_fp8.py); "auto" picks per T (pick_dequant).
+DEQUANTS = ("auto", *DEQUANT_MODES, "fp8")
+# "auto" runs MXFP8 weights on FP8 dots up to this T: on the H200 they were 7-20% faster at T = 8-1024 and 2-13%
+# slower from T = 2048 on, where the per-group promotion costs more than dequantizing (docs/perf.md).
+FP8_MAX_TOKENS = 1024
 
 
 def _pow2(x: int) -> bool:
@@ -150,14 +153,26 @@ def tuned_config(T: int, E: int, H: int, I: int, k: int, device: torch.device,
     return ExpertCentricConfig.from_dict(configs[nearest])
 
 
-def crossover_tokens(E: int, H: int, I: int, k: int, device: torch.device) -> int:
-    """The largest T at which `auto` runs warp decode: measured per shape on the device, else the default."""
-    entry = load_table(device_key(device)).get(shape_key(E, H, I, k), {})
-    return int(entry.get("crossover_tokens", DEFAULT_CROSSOVER_TOKENS))
+def pick_dequant(dequant: str, T: int, weights_mx: bool) -> str:
+    """The operand mode that runs: `dequant` itself, or for "auto" FP8 dots on MXFP8 weights up to FP8_MAX_TOKENS,
+    BF16 dots otherwise."""
+    if dequant != "auto":
+        return dequant
+    return "fp8" if weights_mx and T <= FP8_MAX_TOKENS else "bf16"
+
+
+def crossover_tokens(E: int, H: int, I: int, k: int, device: torch.device, dequant: str = "bf16") -> int:
+    """The largest T at which `auto` runs warp decode against the expert-centric path with that operand mode:
+    measured per shape on the device (that mode's table, else the BF16 one's), else the default."""
+    key, dev = shape_key(E, H, I, k), device_key(device)
+    for table in (load_table(dev, dequant), load_table(dev)):
+        if "crossover_tokens" in table.get(key, {}):
+            return int(table[key]["crossover_tokens"])
+    return DEFAULT_CROSSOVER_TOKENS
 
 
 def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
-                       act_dtype: str = "bf16", dequant: str = "bf16", config: ExpertCentricConfig | None = None,
+                       act_dtype: str = "bf16", dequant: str = "auto", config: ExpertCentricConfig | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of T tokens, [T, H] bf16, written to `out` if given; `config` None: tuned_config.
     dequant: "bf16" or "f16_rel" (MXFP8 weights only), the GEMMs' dot operand dtype."""
@@ -171,6 +186,9 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if dequant not in DEQUANTS or (dequant in ("f16_rel", "fp8") and not mx13):
         raise ValueError(f"dequant must be one of {DEQUANTS} ('f16_rel' and 'fp8' with MXFP8 weights), got "
                          f"{dequant!r}")
+    if act_dtype != "bf16" and dequant == "auto":  # MXFP8 activations are a BF16-dot comparison
+        dequant = "bf16"
+    dequant = pick_dequant(dequant, hidden.shape[0], mx13)
     if dequant == "fp8" and act_dtype != "bf16":
         raise ValueError(f"dequant 'fp8' splits the activations itself; act_dtype must be 'bf16', got {act_dtype!r}")
     (T, H), k, E, I = hidden.shape, topk_ids.shape[1], w13.shape[0], w2.shape[-1]
@@ -207,9 +225,7 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg: Exp
     tiles' block_k is cut to a divisor of the reduction (the FP8 kernels take whole 32-wide groups per step)."""
     (T, H), k, I = hidden.shape, topk_weights.shape[1], w2.shape[-1]
     S, dev = sorted_ids.shape[0], hidden.device
-    act = FP8Split(torch.empty((S, I), dtype=torch.float8_e4m3fn, device=dev),
-                   torch.empty((S, I), dtype=torch.float8_e4m3fn, device=dev),
-                   torch.empty((S, I // 32), dtype=torch.uint8, device=dev))
+    act = FP8Split.empty(S, I, I // 32, dev)
     g, d = cfg.gate_up, cfg.down
     moe_gate_up_fp8(fp8_split_rows(hidden), sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k,
                     block_m=cfg.block_m, block_n=g.block_n, block_k=math.gcd(g.block_k, H), num_warps=g.num_warps,
@@ -222,11 +238,14 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg: Exp
 
 def auto_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
              crossover: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Warp decode (its own auto schedule) for T <= crossover, expert-centric above; `crossover` None: the
-    measured one (crossover_tokens). T is a shape, so a CUDA graph captures one branch per batch size."""
+    """Warp decode (its own auto schedule) for T <= crossover, expert-centric (dequant "auto") above; `crossover`
+    None: the one measured against the operand mode that runs just above it, FP8 dots for MXFP8 weights
+    (crossover_tokens). T is a shape, so a CUDA graph captures one branch per batch size."""
     check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
     if crossover is None:
-        crossover = crossover_tokens(w13.shape[0], hidden.shape[-1], w2.shape[-1], topk_ids.shape[-1], hidden.device)
+        mode = pick_dequant("auto", 1, isinstance(w13, MXFP8Tensor))
+        crossover = crossover_tokens(w13.shape[0], hidden.shape[-1], w2.shape[-1], topk_ids.shape[-1], hidden.device,
+                                     mode)
     if hidden.shape[0] <= crossover:
         return warp_decode_moe(hidden, topk_weights, topk_ids, w13, w2, out=out)
     return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2, out=out)

@@ -11,7 +11,9 @@ in BF16. Scales follow the MXFP8 rule (kernels/mxfp8.py: ceil(log2(amax / 448)),
 with inf or NaN, which decodes to inf so that the GEMM's output is not finite either).
 
 Layout (row-major), R rows of N elements, G = N / group scale groups per row (group = N: one scale per row):
-    x [R, N] bf16 or fp32   hi, lo [R, N] float8_e4m3fn   scales [R, G] uint8 (E8M0 codes)
+    x [R, N] bf16 or fp32   data [R, 2, N] float8_e4m3fn (data[r, 0] = hi, data[r, 1] = lo)   scales [R, G] uint8
+A row's hi and lo are adjacent, so a GEMM loads them as one [32, 2M] operand (columns 2m and 2m + 1: hi and lo of
+row m) and runs one dot for both, adding each column pair after it.
 `fp8_split_rows` is the launch for a row scale (hidden rows before the gate_up GEMM: one program per row); the
 gate_up GEMM splits its output tile per 32 with the same `split_e4m3` helper. Rounding is integer arithmetic and
 IEEE FP32 adds (kernels/mxfp8_quantize_kernel.py), so Triton's interpreter computes the GPU's bytes.
@@ -31,11 +33,29 @@ from kernels.mxfp8_quantize_kernel import e4m3_rne, e8m0_code, inv_scale
 
 @dataclass(frozen=True)
 class FP8Split:
-    """x ~= (hi + lo) * 2^(scales - 127) per scale group: hi, lo float8_e4m3fn [R, N], scales uint8 [R, G]."""
+    """x ~= (hi + lo) * 2^(scales - 127) per scale group: data float8_e4m3fn [R, 2, N] (hi, lo), scales uint8
+    [R, G]."""
 
-    hi: torch.Tensor
-    lo: torch.Tensor
+    data: torch.Tensor
     scales: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, n: int, groups: int, device) -> "FP8Split":
+        return cls(torch.empty((rows, 2, n), dtype=torch.float8_e4m3fn, device=device),
+                   torch.empty((rows, groups), dtype=torch.uint8, device=device))
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self.data[:, 0]
+
+    @property
+    def lo(self) -> torch.Tensor:
+        return self.data[:, 1]
+
+    def check(self, name: str, rows: int, n: int, groups: int, device) -> None:
+        """Dtypes, shapes, contiguity and device, the error naming `name`."""
+        check_tensor(f"{name}.data", self.data, torch.float8_e4m3fn, (rows, 2, n), device)
+        check_tensor(f"{name}.scales", self.scales, torch.uint8, (rows, groups), device)
 
 
 @triton.jit
@@ -59,7 +79,7 @@ def split_e4m3(bits, code):
 
 
 @triton.jit
-def _split_rows_kernel(x_ptr, hi_ptr, lo_ptr, s_ptr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
+def _split_rows_kernel(x_ptr, d_ptr, s_ptr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BN)
     ok = n < N
@@ -70,8 +90,8 @@ def _split_rows_kernel(x_ptr, hi_ptr, lo_ptr, s_ptr, N: tl.constexpr, BF16_BITS:
         bits = x.to(tl.int32, bitcast=True)
     code = split_codes(bits, 0)
     hi, lo = split_e4m3(bits, code)
-    tl.store(hi_ptr + r * N + n, hi, mask=ok)
-    tl.store(lo_ptr + r * N + n, lo, mask=ok)
+    tl.store(d_ptr + r * 2 * N + n, hi, mask=ok)
+    tl.store(d_ptr + r * 2 * N + N + n, lo, mask=ok)
     tl.store(s_ptr + r, code.to(tl.uint8))
 
 
@@ -82,19 +102,14 @@ def fp8_split_rows(x: torch.Tensor, out: FP8Split | None = None) -> FP8Split:
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [R, N] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     R, N = x.shape
-    if out is None:
-        out = FP8Split(torch.empty((R, N), dtype=torch.float8_e4m3fn, device=x.device),
-                       torch.empty((R, N), dtype=torch.float8_e4m3fn, device=x.device),
-                       torch.empty((R, 1), dtype=torch.uint8, device=x.device))
-    check_tensor("out.hi", out.hi, torch.float8_e4m3fn, (R, N), x.device)
-    check_tensor("out.lo", out.lo, torch.float8_e4m3fn, (R, N), x.device)
-    check_tensor("out.scales", out.scales, torch.uint8, (R, 1), x.device)
+    out = FP8Split.empty(R, N, 1, x.device) if out is None else out
+    out.check("out", R, N, 1, x.device)
     if R == 0:
         return out
     bn = triton.next_power_of_2(N)
     bf16 = x.dtype == torch.bfloat16
-    _split_rows_kernel[(R,)](x.view(torch.int16) if bf16 else x, out.hi.view(torch.uint8), out.lo.view(torch.uint8),
-                             out.scales, N, BF16_BITS=bf16, BN=bn, num_warps=4 if bn <= 2048 else 8)
+    _split_rows_kernel[(R,)](x.view(torch.int16) if bf16 else x, out.data.view(torch.uint8), out.scales, N,
+                             BF16_BITS=bf16, BN=bn, num_warps=4 if bn <= 2048 else 8)
     return out
 
 
@@ -108,7 +123,7 @@ def fp8_split_reference(x: torch.Tensor, group: int | None = None) -> FP8Split:
     y = blocks * torch.exp2(-exp.float()).unsqueeze(-1)  # exact: a power of two
     hi = y.to(torch.float8_e4m3fn)
     lo = (y - hi.float()).to(torch.float8_e4m3fn)
-    return FP8Split(hi.reshape(R, N), lo.reshape(R, N), (exp + 127).to(torch.uint8))
+    return FP8Split(torch.stack([hi.reshape(R, N), lo.reshape(R, N)], dim=1), (exp + 127).to(torch.uint8))
 
 
 def fp8_split_value(s: FP8Split, group: int | None = None) -> torch.Tensor:

@@ -3,13 +3,14 @@
 Shapes: T tokens, H hidden, I intermediate, E experts, k routed experts per token, P = T * k pairs (pair p = t * k
 + j), S row slots after alignment (kernels/moe_align.py), BLOCK_M rows per block.
 Layout (row-major):
-    act: FP8Split from kernels/moe_gate_up_fp8.py: hi, lo [S, I] e4m3, scales [S, I / 32] (row s: slot s)
+    act: FP8Split from kernels/moe_gate_up_fp8.py: data [S, 2, I] e4m3 (hi, lo), scales [S, I / 32] (row s: slot s)
     sorted_ids [S] int32 (padding = P)   block_expert [S / BLOCK_M] int32 (-1: empty)   topk_weights [P] float
     w2: MXFP8 data [E, H, I] e4m3 + scales [E, H, I / 32]
     part [P, H] fp32 (out): row p = topk_weights[p] * w2[e] @ act[slot of p]; summed per token by the combine
-Program (n block of H, row block): each 32-wide K group is two FP8 dots (act lo then hi into one accumulator),
-promoted into the FP32 accumulator times the outer product of the weight rows' and the slots' scales of that
-group (a multiply and an FMA per accumulator element per 32 of K: 2 * BLOCK_M / 32 per weight).
+Program (n block of H, row block): each 32-wide K group is one FP8 dot against the slots' hi and lo columns side
+by side (kernels/moe_gate_up_fp8.py says why one), each column pair added and the sum promoted into the FP32
+accumulator times the outer product of the weight rows' and the slots' scales of that group (a multiply and an FMA
+per accumulator element per 32 of K: 2 * BLOCK_M / 32 per weight).
 Bytes: each touched expert's w2 once (H * I * (1 + 1/32)), act read S * I * (2 + 1/32) (mostly from L2), part
 written P * H * 4.
 """
@@ -20,14 +21,14 @@ import triton.language as tl
 
 from kernels.fp8_split import FP8Split
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import fp8_pair_dot, packed_scale, packed_scales
+from kernels.mx_tiles import fp8_split_dot, packed_scale, packed_scales
 from kernels.mxfp8 import MXFP8Tensor
 
 
 @triton.jit
-def _down_fp8_kernel(ah_ptr, al_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, s_ptr, part_ptr, P,
-                     H: tl.constexpr, I: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_fp8_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.constexpr,
+                     I: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -35,6 +36,10 @@ def _down_fp8_kernel(ah_ptr, al_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_pt
     slot = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + slot)
     ok = pair < P
+    # Operand columns 2m, 2m + 1: hi and lo of slot m (act.data [S, 2, I] keeps them adjacent).
+    col = tl.arange(0, 2 * BLOCK_M)
+    col_ok = tl.load(sorted_ptr + mb * BLOCK_M + col // 2) < P
+    arow = (mb * BLOCK_M + col // 2) * 2 + col % 2
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     wd = d_ptr + e * (H * I)  # the expert's base in int64; offsets within an expert fit int32
@@ -52,10 +57,9 @@ def _down_fp8_kernel(ah_ptr, al_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_pt
         sa_next = tl.load(as_ptr + slot * (I // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=ok & more, other=0)
         for j in tl.static_range(BLOCK_K // 32):
             kk = k0 + j * 32 + c
-            ah = tl.load(ah_ptr + slot[None, :] * I + kk[:, None], mask=ok[None, :], other=0.0)
-            al = tl.load(al_ptr + slot[None, :] * I + kk[:, None], mask=ok[None, :], other=0.0)
+            a = tl.load(a_ptr + arow[None, :] * I + kk[:, None], mask=col_ok[None, :], other=0.0)
             w = tl.load(wd + n[:, None] * I + kk[None, :], mask=n_ok[:, None], other=0.0)
-            acc += fp8_pair_dot(w, al, ah, F32_DOT) * (packed_scale(sw, j)[:, None] * packed_scale(sa, j)[None, :])
+            acc += fp8_split_dot(w, a, F32_DOT) * (packed_scale(sw, j)[:, None] * packed_scale(sa, j)[None, :])
     rw = tl.load(rw_ptr + pair, mask=ok, other=0.0).to(tl.float32)
     tl.store(part_ptr + pair[None, :].to(tl.int64) * H + n[:, None], acc * rw[None, :],
              mask=ok[None, :] & n_ok[:, None])
@@ -76,16 +80,14 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
         raise ValueError(f"sorted_ids has {S} slots, not a multiple of block_m={block_m}")
     check_tensor("block_expert", block_expert, torch.int32, (S // block_m,), device)
     check_tensor("part", part, torch.float32, (P, H), device)
-    check_tensor("act.hi", act.hi, torch.float8_e4m3fn, (S, I), device)
-    check_tensor("act.lo", act.lo, torch.float8_e4m3fn, (S, I), device)
-    check_tensor("act.scales", act.scales, torch.uint8, (S, I // 32), device)
+    act.check("act", S, I, I // 32, device)
     if not topk_weights.is_contiguous():
         raise ValueError(f"topk_weights must be contiguous, got strides {topk_weights.stride()}")
     if block_k % 32 or I % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing I={I}")
     grid = (triton.cdiv(H, block_n), S // block_m)
-    _down_fp8_kernel[grid](act.hi, act.lo, packed_scales(act.scales, block_k), sorted_ids, block_expert,
-                           topk_weights, w2.data, packed_scales(w2.scales, block_k), part, P, H, I,
+    _down_fp8_kernel[grid](act.data, packed_scales(act.scales, block_k), sorted_ids, block_expert, topk_weights,
+                           w2.data, packed_scales(w2.scales, block_k), part, P, H, I,
                            F32_DOT=triton.knobs.runtime.interpret, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                            num_warps=num_warps, num_stages=num_stages)
     return part

@@ -105,14 +105,15 @@ def row_tile(d_ptr, s_ptr, row, row_ok, k0, KDIM: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def fp8_pair_dot(w, lo, hi, F32: tl.constexpr):
-    """w @ lo + w @ hi in FP32: E4M3 weights [R, 32] against an activation split into two E4M3 terms [32, M]
-    (kernels/fp8_split.py), two FP8 tensor-core dots into one accumulator (lo first, the smaller terms). F32: the
-    same values widened to FP32 (Triton's interpreter has no FP8 dot)."""
+def fp8_split_dot(w, x, F32: tl.constexpr):
+    """w @ (hi + lo) in FP32: E4M3 weights [R, 32] against activations split into two E4M3 terms
+    (kernels/fp8_split.py) as [32, 2M] columns (2m: hi of column m, 2m + 1: its lo), one FP8 tensor-core dot whose
+    column pairs are added after it: [R, M]. F32: the same values widened to FP32 (the interpreter has no FP8 dot)."""
     if F32:
-        wf = w.to(tl.float32)
-        return tl.dot(wf, hi.to(tl.float32), tl.dot(wf, lo.to(tl.float32)))
-    return tl.dot(w, hi, tl.dot(w, lo))
+        d = tl.dot(w.to(tl.float32), x.to(tl.float32))
+    else:
+        d = tl.dot(w, x)
+    return tl.sum(tl.reshape(d, (d.shape[0], d.shape[1] // 2, 2)), axis=2)
 
 
 _PACKED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -89,13 +89,25 @@ def _run(args, **kw):
 
 @pytest.mark.parametrize("case", ["mxfp8_odd", "bf16_k1_e12", "mxfp8_skewed"])
 def test_matches_reference(case):
+    """BF16 dots (MXFP8 weights dequantized on load); dequant "auto" and "fp8" are tested below."""
     if case == "mxfp8_odd":
         args = _problem(T=7, k=3, E=6, H=96, I=160, mx=True, seed=1)
     elif case == "bf16_k1_e12":
         args = _problem(T=5, k=1, E=12, H=160, I=96, mx=False, seed=2)
     else:  # 17 tokens on expert 0 (more than one 16-row block), one on expert 3, none on 1 and 5
         args = _problem(T=17, k=2, E=6, H=96, I=96, mx=True, ids=_skewed_ids(17), seed=3)
-    _check(args, _run(args, config=CPU_CONFIG))
+    _check(args, _run(args, config=CPU_CONFIG, dequant="bf16"))
+
+
+def test_auto_dequant_picks_fp8_for_mxfp8_weights_up_to_its_largest_T(monkeypatch):
+    args = _problem(T=5, k=2, E=6, H=96, I=96, mx=True, seed=5)
+    fp8, bf16 = (_run(args, config=FP8_CPU_CONFIG, dequant=d) for d in ("fp8", "bf16"))
+    assert not torch.equal(fp8, bf16)
+    assert torch.equal(_run(args, config=FP8_CPU_CONFIG), fp8)
+    monkeypatch.setattr(ec, "FP8_MAX_TOKENS", 4)
+    assert torch.equal(_run(args, config=FP8_CPU_CONFIG), bf16)
+    dense = (*args[:3], args[3].dequantize(torch.bfloat16), args[4].dequantize(torch.bfloat16))
+    assert torch.equal(_run(dense, config=CPU_CONFIG), _run(dense, config=CPU_CONFIG, dequant="bf16"))
 
 
 @pytest.mark.parametrize("case", ["mxfp8_odd", "mxfp8_skewed_act_mxfp8"])
@@ -135,7 +147,7 @@ def test_fp8_matches_reference(case):
         args = _problem(T=5, k=1, E=12, H=160, I=96, mx=True, seed=2)
     rel = _check(args, _run(args, config=config, dequant="fp8"))
     ref = moe_reference(args[0].float(), *args[1:], compute_dtype=torch.float32)
-    rel_bf16 = ((_run(args, config=CPU_CONFIG) - ref).norm() / ref.norm()).item()
+    rel_bf16 = ((_run(args, config=CPU_CONFIG, dequant="bf16") - ref).norm() / ref.norm()).item()
     assert rel <= rel_bf16, (rel, rel_bf16)
 
 
@@ -305,14 +317,14 @@ def test_launcher_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", (1, 64, 1024))
-@pytest.mark.parametrize("mx", (True, False))
-def test_gpu_qwen3_30b_shape(T, mx):
+@pytest.mark.parametrize("mx,dequant", ((True, "bf16"), (True, "auto"), (False, "auto")))
+def test_gpu_qwen3_30b_shape(T, mx, dequant):
     args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=mx, device="cuda", seed=20 + T)
     ref = moe_reference(args[0].float(), *args[1:], compute_dtype=torch.float32)
     ref_bf16 = moe_reference(*args, compute_dtype=torch.bfloat16).float()
     rel_bf16 = ((ref_bf16 - ref).norm() / ref.norm()).item()
-    out = _run(args)
-    assert torch.equal(out, _run(args)), "not deterministic"
+    out = _run(args, dequant=dequant)
+    assert torch.equal(out, _run(args, dequant=dequant)), "not deterministic"
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel <= 3e-3 and rel <= 0.7 * rel_bf16, (rel, rel_bf16)
     if mx:
@@ -332,7 +344,7 @@ def test_gpu_qwen3_30b_shape_f16_rel(T):
     out = _run(args, dequant="f16_rel")
     assert torch.equal(out, _run(args, dequant="f16_rel")), "not deterministic"
     rel = ((out - ref).norm() / ref.norm()).item()
-    rel_bf16 = ((_run(args) - ref).norm() / ref.norm()).item()
+    rel_bf16 = ((_run(args, dequant="bf16") - ref).norm() / ref.norm()).item()
     assert rel <= 3e-3 and rel <= 1.05 * rel_bf16, (rel, rel_bf16)
 
 
@@ -346,7 +358,7 @@ def test_gpu_qwen3_30b_shape_fp8(T):
     out = _run(args, dequant="fp8")
     assert torch.equal(out, _run(args, dequant="fp8")), "not deterministic"
     rel = ((out - ref).norm() / ref.norm()).item()
-    rel_bf16 = ((_run(args) - ref).norm() / ref.norm()).item()
+    rel_bf16 = ((_run(args, dequant="bf16") - ref).norm() / ref.norm()).item()
     assert rel <= 3e-3 and rel <= 1.1 * rel_bf16, (rel, rel_bf16)
     graph, static = torch.cuda.CUDAGraph(), torch.empty_like(args[0])
     with torch.cuda.graph(graph):

@@ -71,14 +71,14 @@ def test_non_finite_rows_get_code_255_and_decode_non_finite():
 
 def test_preallocated_out_and_argument_errors():
     x = _rows(2, 64, torch.bfloat16, seed=2).to(DEVICE)
-    out = FP8Split(torch.empty(2, 64, dtype=torch.float8_e4m3fn, device=DEVICE),
-                   torch.empty(2, 64, dtype=torch.float8_e4m3fn, device=DEVICE),
-                   torch.empty(2, 1, dtype=torch.uint8, device=DEVICE))
+    out = FP8Split.empty(2, 64, 1, DEVICE)
     assert fp8_split_rows(x, out) is out
-    assert torch.equal(_bytes(out.hi), _bytes(fp8_split_reference(x.cpu()).hi))
+    assert torch.equal(_bytes(out.data), _bytes(fp8_split_reference(x.cpu()).data))
     with pytest.raises(TypeError, match="x must be"):
         fp8_split_rows(x.half())
     with pytest.raises(ValueError, match="contiguous"):
         fp8_split_rows(x.t())
     with pytest.raises(ValueError, match="out.scales"):
-        fp8_split_rows(x, FP8Split(out.hi, out.lo, torch.empty(2, 2, dtype=torch.uint8, device=DEVICE)))
+        fp8_split_rows(x, FP8Split(out.data, torch.empty(2, 2, dtype=torch.uint8, device=DEVICE)))
+    with pytest.raises(ValueError, match="out.data"):
+        fp8_split_rows(x, FP8Split(out.data[:, :, :32], out.scales))
