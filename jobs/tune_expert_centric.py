@@ -190,6 +190,10 @@ def main():
         if measured[T].get("warp_decode_us", float("inf")) > measured[T]["expert_centric_us"]:
             break
         crossover = int(T)
+    if crossover == 0 and min(map(int, measured)) > 1:
+        print(f"WARNING: expert-centric won the first tuned bucket, T = {min(map(int, measured))}; warp decode was not "
+              "measured below it, so crossover_tokens 0 sends every T there to expert-centric: tune from T = 1",
+              flush=True)
     device = torch.cuda.get_device_name()
     table = dict(device=device, triton=triton.__version__, torch=torch.__version__,
                  date=datetime.date.today().isoformat(), tool="jobs/tune_expert_centric.py",
