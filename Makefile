@@ -3,7 +3,7 @@
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric bench-attention bench-skinny bench-decode profile-decode gpu-decode \
+	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-decode profile-decode gpu-decode \
 	gpu-multi
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
@@ -57,6 +57,9 @@ gpu-warp-decode:  ## on the GPU machine: warp-decode GPU tests, bench_moe, and t
 
 gpu-expert-centric:  ## on the GPU machine: expert-centric GPU tests, its tuner (table in $OUT), bench_moe decode + prefill
 	bash jobs/gpu_expert_centric.sh
+
+gpu-expert-centric-fp8:  ## on the GPU machine: the FP8-dot GEMMs' GPU tests, their tuner (table in $OUT), bench_moe
+	bash jobs/gpu_expert_centric_fp8.sh
 
 gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU worker, 256 prompts
 	bash jobs/gpu_rollout.sh

@@ -2,7 +2,8 @@
 
 Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`, `expert`
 (kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
-tuned tiles); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
+tuned tiles and dequant "auto": FP8 dots for MXFP8 weights up to T = 1024); `expert_centric_bf16` (BF16 dots at
+every T); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
 above); `expert_centric_f16` (its dequant "f16_rel": FP16 dots, kernels/mx_tiles.py); `expert_centric_fp8` (its
 dequant "fp8": FP8 dots on the MXFP8 weights as stored, activations split hi + lo); `expert_centric_act_mxfp8`
 (activations quantized to MXFP8, an accuracy comparison: it syncs with the host, so it is timed eagerly). Each path
@@ -137,6 +138,8 @@ def path(name, tiles=None):
         return "expert_centric", expert_centric_moe, True
     if name == "expert_centric_f16":  # FP16 dots on relative operands (kernels/mx_tiles.py), its own tuned table
         return "expert_centric:f16_rel", lambda *args: expert_centric_moe(*args, dequant="f16_rel"), True
+    if name == "expert_centric_bf16":  # BF16 dots on dequantized MXFP8 tiles at every T ("auto": FP8 dots to 1024)
+        return "expert_centric:bf16", lambda *args: expert_centric_moe(*args, dequant="bf16"), True
     if name == "expert_centric_fp8":  # FP8 dots on MXFP8 weights as stored, split activations (kernels/fp8_split.py)
         return "expert_centric:fp8", lambda *args: expert_centric_moe(*args, dequant="fp8"), True
     if name == "expert_centric_act_mxfp8":
@@ -144,7 +147,8 @@ def path(name, tiles=None):
     if name == "kernel_auto":
         return "kernel:auto", auto_moe, True
     raise ValueError(f"unknown path {name!r}: choose from {', '.join(WARP_SCHEDULES)}, expert_centric, "
-                     "expert_centric_f16, expert_centric_fp8, expert_centric_act_mxfp8, kernel_auto")
+                     "expert_centric_bf16, expert_centric_f16, expert_centric_fp8, expert_centric_act_mxfp8, "
+                     "kernel_auto")
 
 
 def bench_shape(name, shape, tokens, layers, reps, paths, sweep, warp_max_tokens):

@@ -99,7 +99,7 @@ def test_matches_reference(case):
     _check(args, _run(args, config=CPU_CONFIG, dequant="bf16"))
 
 
-def test_auto_dequant_picks_fp8_for_mxfp8_weights_up_to_its_largest_T(monkeypatch):
+def test_auto_dequant_picks_fp8_for_mxfp8_weights_up_to_its_largest_t(monkeypatch):
     args = _problem(T=5, k=2, E=6, H=96, I=96, mx=True, seed=5)
     fp8, bf16 = (_run(args, config=FP8_CPU_CONFIG, dequant=d) for d in ("fp8", "bf16"))
     assert not torch.equal(fp8, bf16)
