@@ -1,7 +1,10 @@
-"""One warp-decode MoE layer per T, for a profiler: run it under Nsight Compute to see where the kernels stall.
+"""One MoE layer per T, for a profiler: run it under Nsight Compute to see where the kernels stall.
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis -k regex:kernel python jobs/profile_moe.py --tokens 1,8,64
+
+--path warp (warp decode, its --schedule) or expert_centric (its dequant "auto": the FP8 GEMMs, kernel names
+_gate_up_fp8_kernel and _down_fp8_kernel, for MXFP8 weights up to T = 1024).
 
 Qwen3-30B-A3B shape, MXFP8 experts, uniform random routing; each T is launched three times (the first compiles) so
 the profiler can skip warm-up launches with --launch-skip. Prints nothing but the T being run.
@@ -11,7 +14,7 @@ import argparse
 
 import torch
 
-from kernels import mxfp8_quantize
+from kernels import expert_centric_moe, mxfp8_quantize
 from kernels.warp_decode_moe import warp_decode_moe
 
 
@@ -19,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,8,64")
     parser.add_argument("--schedule", default="auto")
+    parser.add_argument("--path", default="warp", choices=("warp", "expert_centric"))
     args = parser.parse_args()
     H, I, E, k = 2048, 768, 128, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -30,7 +34,10 @@ def main() -> None:
         ids = torch.rand(T, E, device="cuda", generator=gen).argsort(dim=1)[:, :k].to(torch.int32).contiguous()
         weights = torch.softmax(torch.randn(T, k, device="cuda", generator=gen), dim=-1)
         for _ in range(3):
-            warp_decode_moe(hidden, weights, ids, w13, w2, schedule=args.schedule)
+            if args.path == "warp":
+                warp_decode_moe(hidden, weights, ids, w13, w2, schedule=args.schedule)
+            else:
+                expert_centric_moe(hidden, weights, ids, w13, w2)
         torch.cuda.synchronize()
 
 

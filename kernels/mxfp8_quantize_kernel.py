@@ -216,20 +216,61 @@ def mxfp8_quantize_triton_many(xs: Sequence[torch.Tensor], outs: Sequence[MXFP8T
     elif not (isinstance(nonfinite, torch.Tensor) and nonfinite.dtype == torch.int32 and nonfinite.is_contiguous()
               and nonfinite.numel() == len(xs) and nonfinite.device == device):
         raise ValueError(f"nonfinite must be a contiguous int32 tensor of {len(xs)} elements on {device}")
-    most = max(row[3] for row in table)
-    table = torch.tensor(table, dtype=torch.int64)
-    if device.type == "cuda":  # pinned, so the copy is queued on the stream instead of waiting for it
-        table = table.pin_memory().to(device, non_blocking=True)
-    bf16 = dtype == torch.bfloat16
-    x0, d0 = (xs[0].view(torch.int16) if bf16 else xs[0]), outs[0].data.view(torch.uint8)
-    for c0 in range(0, len(xs), _MAX_GRID_Y):
-        c1 = min(c0 + _MAX_GRID_Y, len(xs))
-        grid = (max(1, triton.cdiv(most, blocks_per_program)), c1 - c0)
-        _mxfp8_quantize_kernel[grid](x0, d0, outs[0].scales, nonfinite[c0:c1], 0, 0, 0, 0, table[c0:c1],
-                                     BF16_BITS=bf16, TABLE=True, BLOCKS=blocks_per_program, num_warps=num_warps)
+    _launch_table(xs[0], outs[0], table, nonfinite, blocks_per_program, num_warps)
     if checked:
         raise_if_nonfinite(nonfinite, names)
     return list(outs)
+
+
+def mxfp8_quantize_into_rows(xs: Sequence[torch.Tensor], out: MXFP8Tensor, rows: Sequence[int], *,
+                             nonfinite: torch.Tensor, names: Sequence[str]) -> None:
+    """xs[i] quantized into the rows rows[i] .. rows[i] + xs[i].numel() / C - 1 of `out`, a row-major MXFP8 buffer
+    [..., C] read as [rows, C] (a weight sync's staged fused experts), in one launch per 65,535 tensors; `nonfinite`:
+    int32 [len(xs)], tensor i's count of non-finite blocks added at i (no host sync). As
+    `mxfp8_quantize_triton_many`, but `out` is checked once instead of an MXFP8Tensor view per tensor: the views and
+    their checks were ~10 µs of host time per tensor, a quarter of a second per Hub-layout sync of Qwen3-30B-A3B.
+    Each x must be row-major, 16-byte aligned, of xs[0]'s dtype and device, and whole rows of C."""
+    if not (len(xs) == len(rows) == len(names)):
+        raise ValueError(f"xs, rows and names need one entry per tensor, got {len(xs)}, {len(rows)}, {len(names)}")
+    if not xs:
+        return
+    _check_x(xs[0], names[0])
+    C = out.shape[-1]
+    if not (out.data.is_contiguous() and out.scales.is_contiguous()) or out.device != xs[0].device:
+        raise ValueError(f"out must be a row-major MXFP8 buffer on {xs[0].device}, got strides {out.data.stride()} "
+                         f"on {out.device}")
+    if not (isinstance(nonfinite, torch.Tensor) and nonfinite.dtype == torch.int32 and nonfinite.is_contiguous()
+            and nonfinite.numel() == len(xs) and nonfinite.device == out.device):
+        raise ValueError(f"nonfinite must be a contiguous int32 tensor of {len(xs)} elements on {out.device}")
+    total, dtype, device = out.data.numel() // max(C, 1), xs[0].dtype, xs[0].device
+    d0, s0 = out.data.data_ptr(), out.scales.data_ptr()
+    table = []
+    for x, row, name in zip(xs, rows, names, strict=True):
+        n = x.numel()
+        if x.dtype != dtype or x.device != device or not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError(f"{name} must be a row-major, 16-byte aligned {dtype} tensor on {device} like "
+                             f"{names[0]}, got {x.dtype} strides {x.stride()} at {x.data_ptr():#x} on {x.device}")
+        if n % C or not 0 <= row <= total - n // C or (row * C) % 16:
+            raise ValueError(f"{name}: {n} elements at row {row} do not fill whole, 16-byte aligned rows of out "
+                             f"[{total}, {C}]")
+        table.append((x.data_ptr(), d0 + row * C, s0 + row * (C // MXFP8_BLOCK), n // MXFP8_BLOCK))
+    _launch_table(xs[0], out, table, nonfinite, _BLOCKS, _WARPS)
+
+
+def _launch_table(x0: torch.Tensor, out0: MXFP8Tensor, table: list, nonfinite: torch.Tensor, blocks_per_program: int,
+                  num_warps: int) -> None:
+    """The kernel over a table of (x, data, scales addresses, blocks) rows; x0 and out0 give the pointer types."""
+    most = max(row[3] for row in table)
+    table = torch.tensor(table, dtype=torch.int64)
+    if x0.device.type == "cuda":  # pinned, so the copy is queued on the stream instead of waiting for it
+        table = table.pin_memory().to(x0.device, non_blocking=True)
+    bf16 = x0.dtype == torch.bfloat16
+    x0, d0 = (x0.view(torch.int16) if bf16 else x0), out0.data.view(torch.uint8)
+    for c0 in range(0, table.shape[0], _MAX_GRID_Y):
+        c1 = min(c0 + _MAX_GRID_Y, table.shape[0])
+        grid = (max(1, triton.cdiv(most, blocks_per_program)), c1 - c0)
+        _mxfp8_quantize_kernel[grid](x0, d0, out0.scales, nonfinite[c0:c1], 0, 0, 0, 0, table[c0:c1],
+                                     BF16_BITS=bf16, TABLE=True, BLOCKS=blocks_per_program, num_warps=num_warps)
 
 
 def raise_if_nonfinite(counts: torch.Tensor, names: list[str]) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import MXFP8Tensor, mxfp8_quantize, mxfp8_quantize_triton, mxfp8_quantize_triton_many, raise_if_nonfinite
+from kernels.mxfp8_quantize_kernel import mxfp8_quantize_into_rows
 
 F32_MAX = torch.finfo(torch.float32).max
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -285,6 +286,32 @@ def test_many_nonfinite_counts_and_checked_mode():
     names = [f"experts.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
     with pytest.raises(ValueError, match=r"in experts\.1\.up_proj \(1 block of 32\), experts\.1\.down_proj"):
         mxfp8_quantize_triton_many(xs, outs, names=names)
+
+
+def test_into_rows_of_one_buffer_bit_for_bit():
+    """A staged fused buffer [E, R, C] filled by per-expert row blocks (a weight sync's Hub layout), one launch."""
+    gen = torch.Generator().manual_seed(12)
+    E, R, C = 3, 64, 96
+    src = (torch.randn(E, R, C, generator=gen) * torch.exp2(torch.randint(-8, 8, (E, R, 1), generator=gen))).bfloat16()
+    halves = [src[e, h * 32:(h + 1) * 32].contiguous().to(DEVICE) for e in range(E) for h in range(2)]
+    halves[3][1, 2] = float("nan")
+    out = MXFP8Tensor(torch.zeros(E, R, C, dtype=torch.float8_e4m3fn, device=DEVICE),
+                      torch.zeros(E, R, C // 32, dtype=torch.uint8, device=DEVICE))
+    counts = torch.zeros(len(halves), dtype=torch.int32, device=DEVICE)
+    names = [f"experts.{e}.half{h}" for e in range(E) for h in range(2)]
+    mxfp8_quantize_into_rows(halves, out, [32 * i for i in range(len(halves))], nonfinite=counts, names=names)
+    assert counts.tolist() == [0, 0, 0, 1, 0, 0]
+    ref = mxfp8_quantize(src.float().masked_fill(torch.isnan(torch.cat(halves).cpu().float().view(E, R, C)), 0))
+    keep = torch.ones(E, R, C, dtype=torch.bool)
+    keep[1, 32 + 1] = False  # the NaN row's block is unspecified; every other byte is the host's
+    assert torch.equal(out.data.view(torch.uint8).cpu()[keep], ref.data.view(torch.uint8)[keep])
+    assert torch.equal(out.scales.cpu()[keep[..., ::32]], ref.scales[keep[..., ::32]])
+    with pytest.raises(ValueError, match="experts.2.half1: 3072 elements at row 190"):
+        mxfp8_quantize_into_rows(halves[-1:], out, [190], nonfinite=counts[:1], names=names[-1:])
+    with pytest.raises(ValueError, match="experts.0.half1 must be a row-major"):
+        mxfp8_quantize_into_rows([halves[0], halves[1].t()], out, [0, 32], nonfinite=counts[:2], names=names[:2])
+    with pytest.raises(ValueError, match="out must be a row-major"):
+        mxfp8_quantize_into_rows(halves[:1], out[:, :32], [0], nonfinite=counts[:1], names=names[:1])
 
 
 def test_many_bad_arguments_name_the_tensor():

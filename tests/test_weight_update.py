@@ -231,3 +231,34 @@ def test_a_bucket_stages_the_tensors_before_a_refused_one():
     update.finalize()
     eng.apply_update(update)
     assert_bitwise_equal(live_weights(eng.model), expected(SRC, eng.model))
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_names_kept_across_updates_still_check_every_tensor(kernel):
+    """A WeightNames passed to successive updates (SyncReceiver keeps one per model) remembers the names it mapped:
+    a second sync lands the same bytes, a remembered name is still checked (shape, duplicates), a refused name is
+    not remembered, and a model of another shape maps names by its own WeightNames, not this one's."""
+    from composer_rollout.model.weight_names import WeightNames
+
+    eng = engine("mxfp8")
+    names = WeightNames.of(eng.model)
+    for version in (1, 2):
+        update = WeightUpdate(eng.model, version, eng.weight_version, kernel=kernel, names=names)
+        update.add_many(SRC)
+        update.finalize()
+        eng.apply_update(update)
+        assert_bitwise_equal(live_weights(eng.model), expected(SRC, eng.model))
+    update = WeightUpdate(eng.model, 3, eng.weight_version, kernel=kernel, names=names)
+    with pytest.raises(WeightSyncError, match=rf"{UP}: shape \(3, 3\), expected \(96, 128\)"):
+        update.add(UP, torch.zeros(3, 3, dtype=torch.bfloat16))
+    update.add(UP, dict(SRC)[UP])
+    with pytest.raises(WeightSyncError, match=rf"{UP}: appears twice"):
+        update.add(UP, dict(SRC)[UP])
+    for _ in range(2):
+        with pytest.raises(WeightSyncError, match="expert 12 >= num_experts 12"):
+            update.add("model.layers.0.mlp.experts.12.up_proj.weight", torch.zeros(96, 128, dtype=torch.bfloat16))
+    small = engine("mxfp8", num_experts=6)
+    with pytest.raises(WeightSyncError, match="expert 7 >= num_experts 6"):
+        WeightUpdate(small.model, 1, 0, kernel=kernel).add("model.layers.0.mlp.experts.7.up_proj.weight",
+                                                            dict(SRC)["model.layers.0.mlp.experts.7.up_proj.weight"])
+    assert names.target("model.layers.0.mlp.experts.7.up_proj.weight").expert == 7  # the first model's map is its own

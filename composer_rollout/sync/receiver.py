@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from composer_rollout.model.weight_names import WeightNames
 from composer_rollout.sync.buckets import TensorMeta, unpack
 from composer_rollout.sync.channels import GroupSpec, SharedBucket, SyncGroup, as_views, local_device, open_bucket
 from composer_rollout.sync.update import WeightSyncError, WeightUpdate
@@ -44,6 +45,9 @@ class SyncReceiver:
         self._group: SyncGroup | None = None
         self._recv: torch.Tensor | None = None
         self._ipc_device: int | None = None
+        # (model, its WeightNames), kept across syncs: the names remember every tensor name they mapped, and a trainer
+        # pushes the same ones each time (18.9k for Qwen3-30B-A3B in the Hub layout)
+        self._names: tuple[object, WeightNames] | None = None
         self._failed: tuple[str, str] | None = None  # (session, its first error): later calls repeat the cause
         self.discarded = 0  # sessions dropped without being applied (failed, aborted, replaced, expired)
 
@@ -75,7 +79,10 @@ class SyncReceiver:
                     raise WeightSyncError("this worker is not in this sync group (restarted?); the trainer rebuilds it")
                 self.close_group()
                 self._group = SyncGroup(group, device=self.engine.device)  # waits for every rank
-        update = WeightUpdate(self.engine.model, version, current, partial=partial)
+        model = self.engine.model
+        if self._names is None or self._names[0] is not model:
+            self._names = (model, WeightNames.of(model))
+        update = WeightUpdate(model, version, current, partial=partial, names=self._names[1])
         with self._lock:
             self._drop()
             self._session = _Session(session_id, update, time.monotonic())

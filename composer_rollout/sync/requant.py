@@ -3,21 +3,26 @@
 Why batched: the Hugging Face Hub layout sends Qwen3-30B-A3B's experts as 18,432 tensors of ~1.5M weights, ~1 µs of
 GPU work each, and a launch, a counter allocation and a flag per tensor made staging them host-bound (10.8 s per
 sync on the H200, against 0.40 s for the whole sync in the fused layout). So `ExpertQuantizer.run` takes a bucket's
-expert tensors at once and quantizes each group of the same dtype and size with one `mxfp8_quantize_triton_many`
+expert tensors at once and quantizes each group of the same dtype and size with one `mxfp8_quantize_into_rows`
 launch (a table of addresses; same-size tensors, so no program of the grid idles), straight into the staged fused
-buffers' row views. Non-finite blocks are counted into one int32 array per update, a slot per tensor (so that the
+buffers' rows. Non-finite blocks are counted into one int32 array per update, a slot per tensor (so that the
 error still names it), zeroed once when the update begins and read once when it is finalized: no host sync per
 tensor. A large source (a fused-layout tensor) or one the table cannot take (strided, not 16-byte aligned) gets a launch
 of its own, counting into the same array.
 On the host (a CPU engine), `mxfp8_quantize` per tensor: it raises on non-finite input, naming the tensor.
+
+Why rows and not views: `mxfp8_quantize_triton_many` takes an MXFP8Tensor per tensor and checks each, and those
+row views and checks cost ~10 µs of host time per expert tensor, a quarter of a second per Hub-layout sync; so a job
+names its staged fused buffer and its first row, and `mxfp8_quantize_into_rows` checks the buffer once per group.
 """
 
 import torch
 
 from kernels import MXFP8Tensor, mxfp8_quantize
-from kernels.mxfp8_quantize_kernel import mxfp8_quantize_triton, mxfp8_quantize_triton_many
+from kernels.mxfp8_quantize_kernel import mxfp8_quantize_into_rows, mxfp8_quantize_triton
 
-Job = tuple[str, torch.Tensor, MXFP8Tensor]  # (Hugging Face name, source, views of the staged MXFP8 rows)
+# (Hugging Face name, source, the staged fused MXFP8 buffer, expert (None: all), rows of it the source fills)
+Job = tuple[str, torch.Tensor, MXFP8Tensor, int | None, slice]
 # A tensor this large (~12 µs of GPU time at the H200's HBM rate, more than a launch's host cost) keeps a launch of its
 # own: the fused layout's path, as measured (0.40 s per 61 GB sync), with no table to copy.
 _BATCH_MAX = 1 << 24
@@ -34,10 +39,9 @@ def requantize(src: torch.Tensor, out: MXFP8Tensor, name: str = "x") -> None:
     out.scales.copy_(q.scales)
 
 
-def _tableable(src: torch.Tensor, out: MXFP8Tensor) -> bool:
-    """What the table launch needs (it reads addresses, so it cannot see strides or alignment)."""
-    return (src.is_contiguous() and out.data.is_contiguous() and out.scales.is_contiguous()
-            and src.data_ptr() % 16 == 0 and out.data.data_ptr() % 16 == 0)
+def _rows(staged: MXFP8Tensor, expert: int | None, rows: slice) -> MXFP8Tensor:
+    index = (slice(None) if expert is None else expert, rows)
+    return MXFP8Tensor(staged.data[index], staged.scales[index])
 
 
 class ExpertQuantizer:
@@ -57,27 +61,28 @@ class ExpertQuantizer:
         return self.counts[start:start + len(names)]
 
     def run(self, jobs: list[Job]) -> None:
-        """Quantize every job's source into its out (queued on the current stream, no host sync with the kernel).
-        ValueError naming the tensor: on the host, non-finite input; either way, an argument the kernel refuses."""
+        """Quantize every job's source into its rows of the staged buffer (queued on the current stream, no host sync
+        with the kernel). ValueError naming the tensor: on the host, non-finite input; either way, an argument the
+        kernel refuses."""
         if not self.kernel:
-            for name, src, out in jobs:
-                requantize(src, out, name)
+            for name, src, staged, expert, rows in jobs:
+                requantize(src, _rows(staged, expert, rows), name)
             return
-        groups: dict[tuple[torch.dtype, int], list[Job]] = {}
-        for job in jobs:
-            _, src, out = job
-            if src.numel() <= _BATCH_MAX and _tableable(src, out):
-                groups.setdefault((src.dtype, src.numel()), []).append(job)
-            else:  # large (a fused-layout tensor), strided or misaligned: one launch, strided first dim allowed
-                self._one(*job)
+        groups: dict[tuple[int, torch.dtype, int], list] = {}  # (buffer, dtype, size) -> [(name, src, first row)]
+        for name, src, staged, expert, rows in jobs:
+            n, per_expert = src.numel(), staged.shape[-2]
+            # Rows of a row-major [E, R, C] buffer are row-major when they are one expert's, or all of every expert.
+            if (n <= _BATCH_MAX and (expert is not None or rows.stop - rows.start == per_expert)
+                    and src.is_contiguous() and not src.data_ptr() % 16 and staged.data.dim() == 3
+                    and staged.data.is_contiguous() and staged.scales.is_contiguous()):
+                first = (expert or 0) * per_expert + rows.start
+                groups.setdefault((id(staged), src.dtype, n), []).append((name, src, first, staged))
+            else:  # large (a fused-layout tensor), strided or misaligned: a launch of its own
+                self._one(name, src, _rows(staged, expert, rows))
         for group in groups.values():
-            if len(group) == 1:
-                self._one(*group[0])
-                continue
-            names = [name for name, _, _ in group]
-            counts = self._slots(names)
-            mxfp8_quantize_triton_many([src for _, src, _ in group], [out for _, _, out in group],
-                                       nonfinite=counts, names=names)
+            names = [g[0] for g in group]
+            mxfp8_quantize_into_rows([g[1] for g in group], group[0][3], [g[2] for g in group],
+                                     nonfinite=self._slots(names), names=names)
 
     def _one(self, name: str, src: torch.Tensor, out: MXFP8Tensor) -> None:
         mxfp8_quantize_triton(src, out, nonfinite=self._slots([name]), name=name)
@@ -87,3 +92,4 @@ class ExpertQuantizer:
         if not self.kernel:
             return [], None
         return self.names, self.counts[:len(self.names)]
+

@@ -31,7 +31,7 @@ from contextlib import nullcontext
 
 import torch
 
-from composer_rollout.model.weight_names import Dense, ExpertCoverage, Experts, WeightNames
+from composer_rollout.model.weight_names import Dense, ExpertCoverage, Experts, TiedHead, WeightNames
 from composer_rollout.sync.requant import ExpertQuantizer
 from kernels import MXFP8Tensor
 
@@ -89,17 +89,18 @@ def _clone(w):
 class WeightUpdate:
     """Stage with `add_many(pairs)` / `add(name, tensor)` (thread-safe), check with `finalize()`, swap with
     `apply(model)`. `kernel`: quantize MXFP8 experts with the Triton kernel (default: when the model is on a GPU;
-    True with a CPU model runs it in Triton's interpreter) rather than the host quantizer."""
+    True with a CPU model runs it in Triton's interpreter) rather than the host quantizer. `names`: the model's
+    WeightNames, kept by a caller that stages many updates (it remembers the names it mapped)."""
 
     def __init__(self, model, version: int, current_version: int, *, partial: bool = False,
-                 kernel: bool | None = None):
+                 kernel: bool | None = None, names: WeightNames | None = None):
         check_version(version, current_version)
         self.model, self.version, self.partial = model, version, partial
-        self.names = WeightNames.of(model)
+        self.names = names if names is not None else WeightNames.of(model)
         self.mxfp8 = model.weight_dtype == "mxfp8"
         self.dense: dict[str, torch.Tensor] = {}
         self.experts: dict[tuple[int, str], torch.Tensor | MXFP8Tensor] = {}
-        self.coverage: dict[int, ExpertCoverage] = {}
+        self.coverage = {layer: ExpertCoverage(layer, self.names.E) for layer in range(self.names.num_layers)}
         self.tied_head = False
         self.num_tensors = self.nbytes = 0
         self._ok = False  # finalize passed
@@ -152,26 +153,26 @@ class WeightUpdate:
 
     def _check(self, name: str, tensor: torch.Tensor) -> Dense | Experts | None:
         """The tensor's target, once every check passed and it was recorded (None: the tied head, nothing to stage)."""
-        self._fail_if_frozen(name)
+        if self._broken is not None or self.state != "staging":
+            self._fail_if_frozen(name)
         try:
             target = self.names.target(name)
         except ValueError as e:
             raise WeightSyncError(f"{e} (weight update to version {self.version})") from None
         if tensor.dtype not in SOURCE_DTYPES:
             self._fail(name, f"dtype {tensor.dtype} is not a weight dtype ({', '.join(map(str, SOURCE_DTYPES))})")
-        if not isinstance(target, Dense | Experts):  # the tied head: the embedding is the weight
+        if isinstance(target, TiedHead):  # the embedding is the weight
             self.tied_head = True
             return None
-        if tuple(tensor.shape) != target.shape:
+        if tensor.shape != target.shape:  # a torch.Size equals the tuple of its dims
             self._fail(name, f"shape {tuple(tensor.shape)}, expected {target.shape}")
         if isinstance(target, Dense):
             if name in self.dense:
                 self._fail(name, "appears twice in the update")
             self.dense[name] = None  # claimed; staged below, with the rest of its bucket
         else:
-            coverage = self.coverage.setdefault(target.layer, ExpertCoverage(target.layer, self.names.E))
             try:
-                coverage.add(name, target)
+                self.coverage[target.layer].add(name, target)
             except ValueError as e:
                 raise WeightSyncError(f"{e} (weight update to version {self.version})") from None
         self.num_tensors += 1
@@ -197,10 +198,10 @@ class WeightUpdate:
             if self.mxfp8 and self.quantizer.kernel and not (src.is_contiguous() or src[0].is_contiguous()):
                 src = src.contiguous()  # cuda_ipc maps the trainer's view (transposed, say); the kernel reads rows
             staged = self._staged_experts(target)
-            index = (slice(None) if target.expert is None else target.expert, target.rows)
-            if self.mxfp8:
-                jobs.append((name, src, MXFP8Tensor(staged.data[index], staged.scales[index])))
+            if self.mxfp8:  # the quantizer addresses the rows itself: no views per tensor
+                jobs.append((name, src, staged, target.expert, target.rows))
             else:
+                index = (slice(None) if target.expert is None else target.expert, target.rows)
                 self._record_range(name, staged[index].copy_(src))
         if jobs:
             try:
@@ -242,8 +243,7 @@ class WeightUpdate:
                 raise WeightSyncError(f"weight update to version {self.version} failed staging: {self._broken}")
             if not self.partial:
                 missing = [n for n in self.names.dense_shapes if n not in self.dense]
-                for layer in range(self.names.num_layers):
-                    cov = self.coverage.get(layer) or ExpertCoverage(layer, self.names.E)
+                for cov in self.coverage.values():
                     missing += cov.missing()
                 if missing:
                     raise WeightSyncError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) in a full "
