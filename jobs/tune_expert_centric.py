@@ -65,11 +65,12 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
     if fp8:  # block_k is only an unroll count of 32-wide FP8 steps there; each step's tiles are cp.async-pipelined
         # The dot's M: gate_up stacks gate and up rows. wgmma needs 64 rows per warpgroup (fewer fall back to mma.sync
         # with FP8 -> FP16 converts); at 128 rows on one warpgroup the scale vector passes through shared memory each
-        # step (sm_90 PTX), on two it does not: 4 warps per 64 rows, and also 4 at 128 for the tuner to compare.
+        # step (sm_90 PTX), on two it does not: 4 warps per 64 rows, and also 4 at 128 for the tuner to compare. More
+        # rows per program share each activation tile among more weights (the GEMMs are L2-bound: docs/perf.md).
         for bn in (32, 64, 128):
             m = bn * (2 if kernel == "gate_up" else 1)
             for bk in (64, 128):
-                for warps in {64: (4,), 128: (8, 4)}.get(m, ()):
+                for warps in {64: (4,), 128: (8, 4), 256: (16,)}.get(m, ()):
                     out += [GemmConfig(bn, bk, warps, st) for st in ((3,) if quick else (2, 3, 4))]
         return out
     for bn in (64, 128):
