@@ -4,7 +4,8 @@
 # GPU tests of the split and of tests/test_expert_centric_moe.py; a short tune of the fp8 variant (one num_stages per
 # tile unless FULL=1, no bucket started after TUNE_S seconds), whose table lands in $OUT and in this copy's
 # kernels/configs/ so that the bench runs its tuned tiles; then jobs/bench_moe.py at decode and prefill sizes, warp
-# decode and expert_centric (BF16 dots) beside expert_centric_fp8. Keep the table: copy
+# decode, expert_centric (BF16 dots) and kernel=auto beside expert_centric_fp8, and jobs/bench_fp8_split.py (the
+# hidden split alone). Keep the table: copy
 # $OUT/expert_centric_h200_fp8.json to kernels/configs/.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -19,3 +20,4 @@ timeout "${TUNE_TIMEOUT_S:-300}" python3 jobs/tune_expert_centric.py --out kerne
 cp kernels/configs/expert_centric_*_fp8.json "$out/"
 timeout "${BENCH_S:-240}" python3 jobs/bench_moe.py --out "$out" --shapes qwen3-30b-a3b --prefill --no-sweep --reps 10 \
   --paths auto,expert_centric_bf16,expert_centric_fp8,kernel_auto 2>&1 | tee "$out/bench_moe.log"
+timeout "${SPLIT_S:-60}" python3 jobs/bench_fp8_split.py --out "$out" 2>&1 | tee "$out/bench_fp8_split.log"

@@ -3,7 +3,7 @@
 Why. The expert-centric GEMMs on MXFP8 weights were bound by dequantizing each weight to BF16 (docs/perf.md). With
 FP8 dots (kernels/moe_gate_up_fp8.py, kernels/moe_down_fp8.py) the weights go to the tensor cores as they are
 stored, and the activation becomes two E4M3 operands instead of one BF16: x * 2^-s = hi + lo, hi = rne(x * 2^-s),
-lo = rne(x * 2^-s - hi), both in the same units, so a dot on lo then on hi into one accumulator gives the dot on x.
+lo = rne(x * 2^-s - hi), both in the same units, so the dot on x is the dot on hi plus the dot on lo.
 hi keeps 4 significant bits and lo the next 4, so a BF16 value (8 significant bits) splits exactly whenever it is
 at least 2^-10 of its scale group's maximum (lo's lowest bit then stays on E4M3's grid, 2^-9 in scaled units);
 smaller values err by at most 2^-10 in scaled units, 2^-18 of the group maximum. An FP32 value keeps ~8 bits, as
