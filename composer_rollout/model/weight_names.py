@@ -118,10 +118,9 @@ class ExpertCoverage:
 
     def add(self, name: str, t: Experts) -> None:
         """Record `t`; a second layout in one layer, or a (projection, expert) filled twice, raises naming `name`."""
-        layout = "fused" if t.expert is None else "hub"
-        if self.layout not in (None, layout):
+        if self.layout not in (None, t.layout):
             raise ValueError(f"{name}: layer {self.layer} mixes the Hub (per-expert) and fused expert layouts")
-        self.layout = layout
+        self.layout = t.layout
         if t.expert is not None:  # one (projection, expert) pair, ~18k of them per sync: no set built per tensor
             key = (t.parts[0], t.expert)
             if key in self.filled:

@@ -153,8 +153,7 @@ class WeightUpdate:
 
     def _check(self, name: str, tensor: torch.Tensor) -> Dense | Experts | None:
         """The tensor's target, once every check passed and it was recorded (None: the tied head, nothing to stage)."""
-        if self._broken is not None or self.state != "staging":
-            self._fail_if_frozen(name)
+        self._fail_if_frozen(name)
         try:
             target = self.names.target(name)
         except ValueError as e:
