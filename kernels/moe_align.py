@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_reference import check_tensor
+
 _MAX_CHUNK = 4096
 _BLOCKS_PER_STEP = 32
 
@@ -75,6 +77,16 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_chunks, n_blocks, 
 def num_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
     """S: the slots sorted_ids needs for any routing of num_pairs pairs (see the module docstring)."""
     return block_m * triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+
+
+def check_alignment(sorted_ids: torch.Tensor, block_expert: torch.Tensor, block_m: int) -> int:
+    """The GEMM launchers' check of moe_align's outputs for `block_m` (dtypes, shapes, contiguity, one device); S."""
+    S = sorted_ids.shape[0]
+    check_tensor("sorted_ids", sorted_ids, torch.int32, (S,), sorted_ids.device)
+    if S % block_m:
+        raise ValueError(f"sorted_ids has {S} slots, not a multiple of block_m={block_m}")
+    check_tensor("block_expert", block_expert, torch.int32, (S // block_m,), sorted_ids.device)
+    return S
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import (
+    block_slots,
     check_dequant,
     dot_dtype,
     e8m0_to_f32,
@@ -45,9 +47,7 @@ def _down_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, s_p
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
         return
-    slot = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + slot)
-    ok = pair < P
+    slot, pair, ok = block_slots(sorted_ptr, mb, P, BLOCK_M)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     wd = d_ptr + e * (H * I)  # the expert's base in int64; offsets within an expert fit int32
@@ -75,13 +75,9 @@ def moe_down(act, sorted_ids, block_expert, topk_weights, w2, part, *, block_m: 
     writes and returns `part` [P, H] fp32. act and w2: bf16 tensors or MXFP8Tensor (w2 checked by the caller,
     kernels/expert_centric_moe.py, with the rest of the MoE arguments); dequant: "bf16" or "f16_rel"."""
     device = sorted_ids.device
-    S = sorted_ids.shape[0]
     E, H, I = w2.shape
     P = topk_weights.numel()
-    check_tensor("sorted_ids", sorted_ids, torch.int32, (S,), device)
-    if S % block_m:
-        raise ValueError(f"sorted_ids has {S} slots, not a multiple of block_m={block_m}")
-    check_tensor("block_expert", block_expert, torch.int32, (S // block_m,), device)
+    S = check_alignment(sorted_ids, block_expert, block_m)
     check_tensor("part", part, torch.float32, (P, H), device)
     if not topk_weights.is_contiguous():
         raise ValueError(f"topk_weights must be contiguous, got strides {topk_weights.stride()}")

@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_split import FP8Split
+from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import fp8_split_dot, packed_scale, packed_scales
+from kernels.mx_tiles import block_slots, fp8_split_dot, packed_scale, packed_scales
 from kernels.mxfp8 import MXFP8Tensor
 
 
@@ -33,9 +34,7 @@ def _down_fp8_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr,
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
         return
-    slot = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + slot)
-    ok = pair < P
+    slot, pair, ok = block_slots(sorted_ptr, mb, P, BLOCK_M)
     # Operand columns 2m, 2m + 1: hi and lo of slot m (act.data [S, 2, I] keeps them adjacent).
     col = tl.arange(0, 2 * BLOCK_M)
     col_ok = tl.load(sorted_ptr + mb * BLOCK_M + col // 2) < P
@@ -70,15 +69,11 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
     """part[p] = topk_weights[p] * w2[e] @ act[s] for the pair p in slot s, e = block_expert[s // block_m];
     writes and returns `part` [P, H] fp32."""
     device = sorted_ids.device
-    S = sorted_ids.shape[0]
     if not isinstance(w2, MXFP8Tensor):
         raise TypeError(f"w2 must be an MXFP8Tensor for FP8 dots, got {type(w2).__name__}")
     E, H, I = w2.shape
     P = topk_weights.numel()
-    check_tensor("sorted_ids", sorted_ids, torch.int32, (S,), device)
-    if S % block_m:
-        raise ValueError(f"sorted_ids has {S} slots, not a multiple of block_m={block_m}")
-    check_tensor("block_expert", block_expert, torch.int32, (S // block_m,), device)
+    S = check_alignment(sorted_ids, block_expert, block_m)
     check_tensor("part", part, torch.float32, (P, H), device)
     act.check("act", S, I, I // 32, device)
     if not topk_weights.is_contiguous():

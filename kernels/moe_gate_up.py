@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import (
+    block_slots,
     check_dequant,
     dot_dtype,
     e8m0_to_f32,
@@ -48,9 +50,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, s_ptr, r
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
         return
-    slot = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + slot)
-    ok = pair < P
+    slot, pair, ok = block_slots(sorted_ptr, mb, P, BLOCK_M)
     tok = pair // K_TOP
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -85,13 +85,9 @@ def moe_gate_up(hidden, sorted_ids, block_expert, w13, act, *, num_pairs: int, t
     MXFP8Tensor (checked by the caller, kernels/expert_centric_moe.py, with the rest of the MoE arguments);
     dequant: "bf16" or "f16_rel" (the dot's operand dtype, kernels/mx_tiles.py)."""
     device = sorted_ids.device
-    S = sorted_ids.shape[0]
     E, two_i, H = w13.shape
     I = two_i // 2
-    check_tensor("sorted_ids", sorted_ids, torch.int32, (S,), device)
-    if S % block_m:
-        raise ValueError(f"sorted_ids has {S} slots, not a multiple of block_m={block_m}")
-    check_tensor("block_expert", block_expert, torch.int32, (S // block_m,), device)
+    S = check_alignment(sorted_ids, block_expert, block_m)
     check_tensor("act", act, torch.bfloat16, (S, I), device)
     if block_k % 32 or H % 32:
         raise ValueError(f"block_k={block_k} and H={H} must be multiples of 32 (the MXFP8 block)")

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_split import FP8Split, split_codes, split_e4m3
-from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import e8m0_to_f32, fp8_split_dot, packed_scale, packed_scales
+from kernels.moe_align import check_alignment
+from kernels.mx_tiles import block_slots, e8m0_to_f32, fp8_split_dot, packed_scale, packed_scales
 from kernels.mxfp8 import MXFP8Tensor
 
 
@@ -65,15 +65,13 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, s_pt
             x = tl.load(x_ptr + xrow[None, :] * H + kk[:, None], mask=col_ok[None, :], other=0.0)
             w = tl.load(wd + wrow[:, None] * H + kk[None, :], mask=r_ok[:, None], other=0.0)
             acc += fp8_split_dot(w, x, F32_DOT) * packed_scale(sw, j)[:, None]
-    pair = tl.load(sorted_ptr + mb * BLOCK_M + tl.arange(0, BLOCK_M))
-    ok = pair < P
+    slot, pair, ok = block_slots(sorted_ptr, mb, P, BLOCK_M)
     acc *= e8m0_to_f32(tl.load(xs_ptr + tl.where(ok, pair // K_TOP, 0), mask=ok, other=127))[None, :]
     g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     act = tl.reshape(g * tl.sigmoid(g) * u, (BLOCK_N // 32, 32, BLOCK_M))
     bits = act.to(tl.int32, bitcast=True)
     code = split_codes(bits, 1)
     hi, lo = split_e4m3(bits, code[:, None, :])
-    slot = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     out = tl.reshape(slot[None, None, :] * (2 * I) + nb * BLOCK_N + tl.arange(0, BLOCK_N // 32)[:, None, None] * 32 +
                      c[None, :, None], (BLOCK_N, BLOCK_M))
     n_ok = (nb * BLOCK_N + tl.arange(0, BLOCK_N) < I)[:, None]
@@ -89,16 +87,12 @@ def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act
     """act[s] = split(silu(hidden[t] @ gate[e].T) * (hidden[t] @ up[e].T)) for the pair t * k + j in slot s, routed
     to expert e = block_expert[s // block_m]; writes and returns `act`. x: the hidden rows split per token."""
     device = sorted_ids.device
-    S = sorted_ids.shape[0]
     if not isinstance(w13, MXFP8Tensor):
         raise TypeError(f"w13 must be an MXFP8Tensor for FP8 dots, got {type(w13).__name__}")
     E, two_i, H = w13.shape
     I = two_i // 2
     T = x.data.shape[0]
-    check_tensor("sorted_ids", sorted_ids, torch.int32, (S,), device)
-    if S % block_m:
-        raise ValueError(f"sorted_ids has {S} slots, not a multiple of block_m={block_m}")
-    check_tensor("block_expert", block_expert, torch.int32, (S // block_m,), device)
+    S = check_alignment(sorted_ids, block_expert, block_m)
     x.check("x", T, H, 1, device)
     act.check("act", S, I, I // 32, device)
     if block_k % 32 or H % block_k or block_n % 32 or I % 32:

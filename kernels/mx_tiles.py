@@ -66,6 +66,15 @@ def operand_parts(x):
 
 
 @triton.jit
+def block_slots(sorted_ptr, mb, P, BLOCK_M: tl.constexpr):
+    """(slot, pair, ok) of row block `mb` of the grouped GEMMs: its BLOCK_M slots, the pair each holds
+    (kernels/moe_align.py's sorted_ids), and which hold one (padding holds the sentinel P)."""
+    slot = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + slot)
+    return slot, pair, pair < P
+
+
+@triton.jit
 def e8m0_to_f32(s):
     """2^(s - 127) for E8M0 codes 1..254, by placing the code in FP32's exponent field."""
     return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
