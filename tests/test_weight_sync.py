@@ -1,9 +1,10 @@
 """WeightSync into rollout workers on the tests' real local Ray cluster (two CPU workers, tiny model, MXFP8 experts):
 every worker ends bit-exact with the source over object_store and collective (gloo), from Hub or fused names, BF16 or
 FP32; partial updates; bad updates fail on the trainer's side naming the tensor and the worker while every worker
-keeps serving its version; a trainer process killed mid-push leaves no worker on a new or mixed version and its
-staged buffers are dropped after the timeout; drain / abort / inflight swaps during generation, with per-sample and
-per-token versions; the running rollout job takes a sync from another process (WeightSync.connect)."""
+keeps serving its version (per-expert tensors packed into fused ones on the way, composer_rollout.sync.packing); a
+trainer process killed mid-push leaves no worker on a new or mixed version and its staged buffers are dropped after
+the timeout; drain / abort / inflight swaps during generation, with per-sample and per-token versions; the running
+rollout job takes a sync from another process (WeightSync.connect)."""
 
 import json
 import os
@@ -96,6 +97,7 @@ def test_partial_sync_and_a_restarted_worker_refuses_it(pool):
     sync.push(full, next_version(pool))
     part = dict(named(source_model(22), "hub"))
     carried = ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.7.gate_proj.weight"]
+    carried += [n for n in part if n.startswith("model.layers.0.mlp.experts.")]  # a whole layer: packed on the way
     sync.push([(n, part[n]) for n in carried], sync.version + 1, partial=True)
     want = expected([(n, part[n] if n in carried else t) for n, t in full], REF)
     assert_workers_hold(pool, want)
@@ -117,6 +119,10 @@ DOWN = "model.layers.0.mlp.experts.2.down_proj.weight"
     ([(n, torch.zeros(128, 64) if n == Q else t) for n, t in SRC], None, rf"worker 0: {Q}: shape \(128, 64\)"),
     ([(n, t.float().fill_(float("nan")) if n == DOWN else t) for n, t in SRC], None,
      rf"worker 0: {DOWN}: .*non-finite"),
+    ([(n, t.clone().fill_(float("nan")) if n == DOWN else t) for n, t in SRC], None,  # packed into the fused one
+     rf"worker 0: model\.layers\.0\.mlp\.experts\.down_proj: non-finite values \(inf or NaN\) in {DOWN}"),
+    ([(n, torch.zeros(128, 95, dtype=torch.bfloat16) if n == DOWN else t) for n, t in SRC], None,
+     rf"worker 0: {DOWN}: shape \(128, 95\), expected \(128, 96\)"),
     ([(n, t) for n, t in SRC if n != DOWN], None, rf"worker 0: missing tensor '{DOWN}'"),
     (SRC, 0, r"worker 0: weight version \d+ is not newer than the version being served"),
 ])

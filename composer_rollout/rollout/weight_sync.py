@@ -25,9 +25,14 @@ Transports (composer_rollout.sync.channels holds their Ray-free ends):
 - collective: a torch.distributed group of the trainer (rank 0) and the workers, built on the first push and kept
   for this WeightSync's lifetime (rebuilt after a failed push): one broadcast per bucket into each worker's
   preallocated buffer. NCCL when the trainer and every worker are on GPUs, gloo otherwise.
-- cuda_ipc: trainer and worker on one GPU; the worker maps the trainer's tensors (no packing, no serialisation) and
-  re-quantizes straight from them. Each bucket shares each distinct storage once and sends the tensors as views of
-  them (per-expert names are views of a few allocations). The trainer's tensors must not change until push returns.
+- cuda_ipc: trainer and worker on one GPU; the worker maps the trainer's tensors (no serialisation) and re-quantizes
+  straight from them. Each bucket shares each distinct storage once and sends the tensors as views of them. The
+  trainer's tensors must not change until push returns.
+Per-expert (Hub-layout) tensors are packed into the fused layout before bucketing, a layer at a time
+(composer_rollout.sync.packing: the worker's host cost is per tensor). object_store and collective write them into
+their bucket buffer; cuda_ipc into one of two staging buffers of about a bucket each (or of a layer's fused tensor,
+when larger), so that the trainer packs one bucket while the workers read the previous. A worker's error about a
+packed tensor names the fused tensor and, for non-finite values, the per-expert tensor holding them.
 """
 
 import time
@@ -45,6 +50,7 @@ from composer_rollout.rollout.pool import NAMESPACE, worker_name
 from composer_rollout.sync import TRANSPORTS, WeightSyncError
 from composer_rollout.sync.buckets import buckets, layout, pack
 from composer_rollout.sync.channels import GroupSpec, SyncGroup, device_uuid, host_store, share_bucket
+from composer_rollout.sync.packing import ExpertPacker, materialize, staged_bytes
 
 MODES = ("drain", "abort", "inflight")
 
@@ -92,6 +98,8 @@ class WeightSync:
         self._specs: list[GroupSpec] = []
         self._host_buf: torch.Tensor | None = None
         self._dev_buf: torch.Tensor | None = None
+        self._staging0: torch.Tensor | None = None  # cuda_ipc: the two buffers packed buckets alternate between
+        self._staging1: torch.Tensor | None = None
         self._shared: list[torch.Tensor] = []  # cuda_ipc: the storages the workers map, alive until they prepared
         self._shares = 0  # cuda_ipc: storages shared by the last push (each once per bucket it has tensors in)
         self._pushing: int | None = None
@@ -146,8 +154,8 @@ class WeightSync:
         session, start = f"{version}-{uuid.uuid4().hex[:12]}", time.perf_counter()
         self._pushing, self._shares = version, 0
         try:
-            self._begin(session, version, partial)
-            counts = self._send(session, named_tensors)
+            packer = _packer(self._begin(session, version, partial))
+            counts = self._send(session, packer.pack(named_tensors) if packer else named_tensors)
             stage_s = time.perf_counter() - start
             prepared = self._wait([w.sync_prepare.remote(session) for w in self.workers], "validating")
         except BaseException:
@@ -161,29 +169,29 @@ class WeightSync:
         finally:  # even if a worker failed to swap: the others serve it, and a partial update must not build on less
             self.version = version
         seconds = time.perf_counter() - start
+        tensors = prepared[0]["tensors"] + (packer.folded if packer else 0)  # as the trainer sent them
         return SyncStats(version, seconds, stage_s, prepare_s, seconds - stage_s - prepare_s,
-                         prepared[0]["tensors"], prepared[0]["bytes"], counts, self._shares)
+                         tensors, prepared[0]["bytes"], counts, self._shares)
 
-    def _begin(self, session: str, version: int, partial: bool) -> None:
+    def _begin(self, session: str, version: int, partial: bool) -> list[dict]:
+        """Open the session on every worker; their replies."""
         kw = {"partial": partial, "base_version": self.version if partial else None, "transport": self.transport}
         if self.transport == "cuda_ipc":
             kw["gpu_uuid"] = device_uuid(torch.device("cuda", torch.cuda.current_device()))
         if self.transport != "collective":
-            self._wait([w.sync_begin.remote(session, version, **kw) for w in self.workers], "beginning")
-            return
+            return self._wait([w.sync_begin.remote(session, version, **kw) for w in self.workers], "beginning")
         if self._group is not None:
             try:  # a worker that restarted is no longer in the group: rebuild it once
                 refs = [w.sync_begin.remote(session, version, **kw, group=self._specs[i], join=False)
                         for i, w in enumerate(self.workers)]
-                self._wait(refs, "beginning")
-                return
+                return self._wait(refs, "beginning")
             except WeightSyncError as e:
                 if "not in this sync group" not in str(e):
                     raise
                 self.close()
-        self._open_group(session, version, kw)
+        return self._open_group(session, version, kw)
 
-    def _open_group(self, session: str, version: int, kw: dict) -> None:
+    def _open_group(self, session: str, version: int, kw: dict) -> list[dict]:
         infos = self._wait([w.info.remote() for w in self.workers], "connecting")
         on_gpu = torch.cuda.is_available() and all(i["gpu_uuid"] for i in infos)
         if on_gpu:  # NCCL runs one rank per GPU
@@ -204,9 +212,10 @@ class WeightSync:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
             self._group = SyncGroup(specs[0], store, device)  # waits for every worker's begin to join
         finally:
-            self._wait(refs, "beginning")
+            replies = self._wait(refs, "beginning")
         self._specs = specs[1:]
         self._wait([w.sync_reserve.remote(self.bucket_bytes) for w in self.workers], "beginning")
+        return replies
 
     def _send(self, session: str, named_tensors) -> int:
         send = {"object_store": self._send_object_store, "collective": self._send_collective,
@@ -256,7 +265,13 @@ class WeightSync:
     def _send_cuda_ipc(self, session: str, named_tensors) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         pending, count, self._shared = deque(), 0, []  # kept alive until the workers prepared
+        carried = [-1, -1]  # the bucket each staging buffer last carried
         for bucket in buckets(named_tensors, self.bucket_bytes):
+            if need := staged_bytes(bucket):  # packed experts: into the staging buffer the workers read longest ago
+                slot = 0 if carried[0] < carried[1] else 1
+                self._in_flight(pending, None, keep=count - carried[slot] - 1)  # wait till they have read it
+                bucket = materialize(bucket, self._buffer(f"_staging{slot}", need, device))
+                carried[slot] = count
             # The worker's stream waits on a share's IPC event only where it maps the storage anew (one still mapped for
             # an earlier bucket is reused without a wait): wait here for the trainer's writes to this bucket instead.
             torch.cuda.current_stream(device).synchronize()
@@ -271,12 +286,14 @@ class WeightSync:
         self._in_flight(pending, None)
         return count
 
-    def _in_flight(self, pending: deque, refs: list | None) -> None:
-        """Queue one bucket's staging calls and wait for the oldest while more than max_inflight are out; with
-        refs None, wait for all of them."""
+    def _in_flight(self, pending: deque, refs: list | None, keep: int | None = None) -> None:
+        """Queue one bucket's staging calls (refs None: none) and wait for the oldest while more than `keep` are out
+        (default: max_inflight after queueing, none without refs)."""
         if refs is not None:
             pending.append(refs)
-        while len(pending) > (self.max_inflight if refs is not None else 0):
+        if keep is None:
+            keep = self.max_inflight if refs is not None else 0
+        while len(pending) > keep:
             oldest = pending.popleft()
             try:
                 self._wait(oldest, "staging")
@@ -341,3 +358,9 @@ class WeightSync:
         if self._group is not None:
             self._group.close()
         self._group, self._specs = None, []
+
+
+def _packer(replies: list[dict]) -> ExpertPacker | None:
+    """A packer for the workers' expert geometry, when every worker reported the same one."""
+    geometries = {tuple(r["experts"]) if r.get("experts") else None for r in replies}
+    return ExpertPacker(geometries.pop()) if len(geometries) == 1 and None not in geometries else None

@@ -5,9 +5,12 @@ the Hub layout); a bucket of `bucket_mb` costs one message whatever it holds. A 
 of `TensorMeta` (name, dtype, shape, byte offset); every tensor starts at a 64-byte boundary so that the receiver
 views it in place, in its own dtype, without a copy. A tensor larger than the bucket size travels alone in a bucket
 of its own size. Only floating weights are packed (bfloat16, float16, float32); anything else fails here, on the
-trainer side, naming the tensor.
+trainer side, naming the tensor. A bucket item may also be `Packed`: tensors that are one tensor once concatenated (a
+layer's per-expert tensors in the fused layout, composer_rollout.sync.packing), assembled only where a transport
+writes it (the flat buffer here, a staging buffer for cuda_ipc).
 """
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +29,44 @@ class TensorMeta:
     nbytes: int
 
 
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """`parts` (one dtype and device, each [rows, shape[-1]], any strides) concatenated along their first dim, in
+    order, as one row-major tensor of `shape`. Answers what bucketing asks of a tensor (numel, element_size, dtype,
+    shape, device) without being built."""
+
+    parts: tuple[torch.Tensor, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.parts[0].element_size()
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the parts into `out` (row-major, `shape`, the parts' dtype; non-blocking where the devices allow, the
+        caller synchronises) and return it: one concatenation on the parts' device, else a copy per part."""
+        rows = out.view(-1, self.shape[-1])
+        with torch.no_grad():  # a trainer's parameters may require grad; cat(out=) refuses those under autograd
+            if out.device == self.device:
+                torch.cat(self.parts, out=rows)
+            else:
+                start = 0
+                for part in self.parts:
+                    rows[start:start + part.shape[0]].copy_(part, non_blocking=True)
+                    start += part.shape[0]
+        return out
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -36,6 +77,9 @@ def checked(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
         if not (isinstance(item, tuple | list) and len(item) == 2):
             raise TypeError(f"named_tensors must yield (hf_name, tensor) pairs, got {type(item).__name__}")
         name, t = item
+        if isinstance(t, Packed):  # made from parts that came through here
+            yield name, t
+            continue
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise TypeError(f"named_tensors must yield (str, torch.Tensor) pairs, got ({type(name).__name__}, "
                             f"{type(t).__name__})")
@@ -46,8 +90,8 @@ def checked(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
         yield name, t
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor | Packed]], bucket_bytes: int
+            ) -> Iterator[list[tuple[str, torch.Tensor | Packed]]]:
     """Consecutive groups of (name, tensor) whose aligned sizes add up to at most bucket_bytes (a larger tensor
     alone). Lazy: a trainer that materialises tensors one by one (an FSDP gather) holds at most a bucket of them."""
     if bucket_bytes < ALIGN:
@@ -64,7 +108,7 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield group
 
 
-def layout(items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
+def layout(items: list[tuple[str, torch.Tensor | Packed]]) -> tuple[list[TensorMeta], int]:
     """Each tensor's place in the flat buffer, and the buffer's size."""
     metas, offset = [], 0
     for name, t in items:
@@ -79,13 +123,16 @@ def view(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return flat[meta.offset: meta.offset + meta.nbytes].view(DTYPES[meta.dtype]).view(meta.shape)
 
 
-def pack(items: list[tuple[str, torch.Tensor]], out: torch.Tensor) -> list[TensorMeta]:
+def pack(items: list[tuple[str, torch.Tensor | Packed]], out: torch.Tensor) -> list[TensorMeta]:
     """Copy `items` into the uint8 buffer `out` (non-blocking where the devices allow; the caller synchronises)."""
     metas, total = layout(items)
     if out.dtype != torch.uint8 or out.numel() < total:
         raise ValueError(f"pack: out must be a uint8 buffer of at least {total} bytes")
     for meta, (_, t) in zip(metas, items, strict=True):
-        view(out, meta).copy_(t, non_blocking=True)
+        if isinstance(t, Packed):
+            t.into(view(out, meta))
+        else:
+            view(out, meta).copy_(t, non_blocking=True)
     return metas
 
 

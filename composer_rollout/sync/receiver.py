@@ -82,11 +82,13 @@ class SyncReceiver:
         model = self.engine.model
         if self._names is None or self._names[0] is not model:
             self._names = (model, WeightNames.of(model))
-        update = WeightUpdate(model, version, current, partial=partial, names=self._names[1])
+        names = self._names[1]
+        update = WeightUpdate(model, version, current, partial=partial, names=names)
         with self._lock:
             self._drop()
             self._session = _Session(session_id, update, time.monotonic())
-        return {"weight_version": current}
+        # The expert geometry lets the trainer pack per-expert tensors into fused ones (composer_rollout.sync.packing).
+        return {"weight_version": current, "experts": (names.num_layers, names.E, names.I, names.H)}
 
     def _active(self, session_id: str) -> _Session:
         with self._lock:

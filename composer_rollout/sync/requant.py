@@ -10,6 +10,8 @@ error still names it), zeroed once when the update begins and read once when it 
 tensor. A large source (a fused-layout tensor) or one the table cannot take (strided, not 16-byte aligned) gets a launch
 of its own, counting into the same array.
 On the host (a CPU engine), `mxfp8_quantize` per tensor: it raises on non-finite input, naming the tensor.
+A fused tensor with inf or NaN is also named by the per-expert tensor holding the first of them (`where_nonfinite`):
+a trainer's per-expert tensors reach the worker packed into fused ones (composer_rollout.sync.packing).
 
 Why rows and not views: `mxfp8_quantize_triton_many` takes an MXFP8Tensor per tensor and checks each, and those
 row views and checks cost ~10 µs of host time per expert tensor, a quarter of a second per Hub-layout sync; so a job
@@ -30,13 +32,30 @@ _BATCH_MAX = 1 << 24
 
 def requantize(src: torch.Tensor, out: MXFP8Tensor, name: str = "x") -> None:
     """Quantize one tensor into `out` with the host quantizer, bit for bit what the kernel writes; ValueError naming
-    `name` on non-finite input."""
+    `name` (and for a fused expert tensor, the per-expert one) on non-finite input."""
     try:
         q = mxfp8_quantize(src)
     except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+        where = where_nonfinite(name, src) if src.dim() == 3 else ""
+        raise ValueError(f"{name}: {'non-finite values (inf or NaN)' + where if where else e}") from None
     out.data.copy_(q.data)
     out.scales.copy_(q.scales)
+
+
+def where_nonfinite(name: str, fused: "torch.Tensor | MXFP8Tensor | None") -> str:
+    """' in <per-expert name>' for the first row of the fused expert tensor `name` ([E, R, C], as sent or as staged)
+    holding inf or NaN, '' when there is none (or no tensor). A staged MXFP8 row is found by its scale byte 255
+    (E8M0's NaN, what the kernel writes for a non-finite block). Runs only to word an error."""
+    if fused is None:
+        return ""
+    bad = fused.scales == 255 if isinstance(fused, MXFP8Tensor) else ~torch.isfinite(fused)
+    hit = bad.flatten(2).any(-1).nonzero() if bad.dim() == 3 else []
+    if not len(hit):
+        return ""
+    expert, row = hit[0].tolist()
+    prefix, fused_name = name.rsplit(".", 1)
+    proj = "down_proj" if fused_name == "down_proj" else "gate_proj" if row < bad.shape[1] // 2 else "up_proj"
+    return f" in {prefix}.{expert}.{proj}.weight"
 
 
 def _rows(staged: MXFP8Tensor, expert: int | None, rows: slice) -> MXFP8Tensor:

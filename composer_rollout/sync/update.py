@@ -16,14 +16,14 @@ refused one are staged, as if each had come through `add`. What `finalize` check
 complete (unless partial), and every value is finite. Finiteness costs no host sync per tensor: each staged dense
 tensor's (min, max) goes into a row of one per-update buffer (NaN and inf survive a min or max), experts count their
 non-finite blocks as they are quantized (composer_rollout.sync.requant, one launch per bucket), and `finalize` reads
-both at once. Dense tensors are checked as staged, in the model's dtype: a finite FP32 value that overflows it is
-refused too, as it could not be served.
+both at once (a fused expert tensor's error also names the per-expert one with the first inf or NaN). Dense tensors
+are checked in the model's dtype: a finite FP32 value that overflows it is refused too.
 
 Partial updates (`partial=True`) carry any set of whole Hugging Face tensors; the rest keep their current values.
 Experts may come per expert and projection: a layer touched partially starts from a copy of its live fused tensor
 and only the rows that arrived are overwritten. MXFP8 blocks run along a row's input dimension, so quantizing some
-rows gives exactly the bytes quantizing the whole tensor would have given them.
-Experts are quantized from the source tensor as sent (a float32 source is not rounded to bfloat16 first).
+rows gives exactly the bytes quantizing the whole tensor would have given them. Experts are quantized from the source
+tensor as sent (a float32 source is not rounded to bfloat16 first).
 """
 
 import threading
@@ -32,7 +32,7 @@ from contextlib import nullcontext
 import torch
 
 from composer_rollout.model.weight_names import Dense, ExpertCoverage, Experts, TiedHead, WeightNames
-from composer_rollout.sync.requant import ExpertQuantizer
+from composer_rollout.sync.requant import ExpertQuantizer, where_nonfinite
 from kernels import MXFP8Tensor
 
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,9 +69,8 @@ def live_weights(model) -> dict[str, torch.Tensor]:
 
 
 def _empty_like(w):
-    if isinstance(w, MXFP8Tensor):
-        return MXFP8Tensor(torch.empty_like(w.data), torch.empty_like(w.scales))
-    return torch.empty_like(w)
+    return (MXFP8Tensor(torch.empty_like(w.data), torch.empty_like(w.scales)) if isinstance(w, MXFP8Tensor)
+            else torch.empty_like(w))
 
 
 def _copy_into(live, staged) -> None:
@@ -101,9 +100,8 @@ class WeightUpdate:
         self.dense: dict[str, torch.Tensor] = {}
         self.experts: dict[tuple[int, str], torch.Tensor | MXFP8Tensor] = {}
         self.coverage = {layer: ExpertCoverage(layer, self.names.E) for layer in range(self.names.num_layers)}
-        self.tied_head = False
         self.num_tensors = self.nbytes = 0
-        self._ok = False  # finalize passed
+        self.tied_head = self._ok = False  # _ok: finalize passed
         self._broken: str | None = None  # a staging failure: rows marked as arrived may not have been written
         self._lock = threading.Lock()
         self.state = "staging"  # -> "finalized" -> applied, or -> "discarded"
@@ -261,9 +259,11 @@ class WeightUpdate:
                 flags.append(counts)
             bad = [name for name, n in zip(names, torch.cat(flags).tolist(), strict=True) if n]  # one host read
             if bad:
-                raise WeightSyncError(f"{bad[0]}: non-finite values (inf or NaN)"
-                                      + (f"; also {len(bad) - 1} more tensor(s)" if len(bad) > 1 else "")
-                                      + f" (weight update to version {self.version})")
+                t = self.names.target(bad[0])
+                fused = self.experts[(t.layer, t.which)] if getattr(t, "expert", 0) is None else None
+                more = f"; also {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+                raise WeightSyncError(f"{bad[0]}: non-finite values (inf or NaN){where_nonfinite(bad[0], fused)}{more}"
+                                      f" (weight update to version {self.version})")
             self._ok = True
             return {"version": self.version, "tensors": self.num_tensors, "bytes": self.nbytes}
 
