@@ -8,7 +8,10 @@ expert layout, or the Hub's per-expert one as views of it) and pushes it with We
 staging (the worker maps or receives each bucket and re-quantizes the experts on the GPU), validation of the whole
 update (every value finite), and the swap. GB/s is the source's bytes over those seconds; `shares` counts the IPC
 shares of a cuda_ipc push (each allocation once per bucket it has tensors in: the Hub layout's tensors are views of
-the fused layout's allocations, so it shares about as often as the fused one). The target is cuda_ipc with
+the fused layout's allocations, so it shares about as often as the fused one; WeightSync packs each layer's
+per-expert tensors into the fused layout, composer_rollout.sync.packing, and these views, which tile the fused
+tensors, are sent as those tensors without a copy: a trainer with one allocation per expert tensor pays one
+concatenation per layer and projection group on its GPU instead, ~58 GB read and written). The target is cuda_ipc with
 the fused layout at <= 0.5 s (NeMo-RL's fastest published Qwen3-30B refit: 0.74-1.0 s; verl and slime: about 7 s).
 After the runs, a few of the worker's tensors are read back and compared bit for bit with the host quantizer's bytes.
 Needs ray (carried as wheels on the lent GPU machine: jobs/gpu_sync.sh).
@@ -59,6 +62,35 @@ def make_state(name: str, device: torch.device) -> tuple[list, list, int]:
     return fused, hub, sum(t.numel() * t.element_size() for _, t in fused)
 
 
+def separate(fused: list, hub: list, experts: int) -> list:
+    """The Hub layout with one allocation per expert tensor, as an FSDP gather or a Megatron export hands it over:
+    each per-expert view cloned, a layer at a time, and that layer's fused tensors released (the GPU cannot hold a
+    second 58 GB copy beside the worker). Empties `fused` and `hub`."""
+    out, held = [], {n: i for i, (n, _) in enumerate(fused)}
+    for i, (n, t) in enumerate(hub):
+        out.append((n, t.clone() if ".mlp.experts." in n else t))
+        hub[i] = t = None  # the views keep the fused storage alive too
+        if n.endswith(f".experts.{experts - 1}.down_proj.weight"):  # the layer's last tensor: free its fused pair
+            prefix = n.rsplit(".", 3)[0]
+            for name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                fused[held[name]] = (name, None)
+    fused.clear()
+    hub.clear()
+    return out
+
+
+def refused(hub: list, layers: int, experts: int) -> list:
+    """check_exact's tensors (the embedding, layer 0's gate_up_proj, the last layer's down_proj) rebuilt from
+    per-expert tensors."""
+    state, last = dict(hub), layers - 1
+    p0, pl = "model.layers.0.mlp.experts", f"model.layers.{last}.mlp.experts"
+    gate_up = [torch.cat([state[f"{p0}.{e}.gate_proj.weight"], state[f"{p0}.{e}.up_proj.weight"]])
+               for e in range(experts)]
+    return [("model.embed_tokens.weight", state["model.embed_tokens.weight"]),
+            (f"{p0}.gate_up_proj", torch.stack(gate_up)),
+            (f"{pl}.down_proj", torch.stack([state[f"{pl}.{e}.down_proj.weight"] for e in range(experts)]))]
+
+
 def check_exact(pool: RolloutPool, fused: list, layers: int) -> bool:
     """A few of the worker's tensors against the host quantizer's bytes (computed here, on the GPU)."""
     state = dict(fused)
@@ -104,7 +136,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--runs", nargs="+", default=["cuda_ipc:fused:512", "cuda_ipc:fused:8192",
                                                       "cuda_ipc:hub:512", "object_store:fused:512"],
-                        help="transport:layout:bucket_mb, in order (object_store runs once: it is slow)")
+                        help="transport:layout:bucket_mb, in order (object_store runs once: it is slow); layouts "
+                             "fused, hub (views of the fused tensors), hub_alloc (one allocation per expert tensor: "
+                             "the fused state is converted for it, so it must come last)")
     parser.add_argument("--workers", type=int, default=None, help="collective runs: workers (default: GPUs - 1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -136,13 +170,22 @@ def main() -> None:
     print(f"worker built in {build_s:.1f} s; trainer state {nbytes / 1e9:.1f} GB BF16 ({len(fused)} fused-layout "
           f"tensors, {len(hub)} in the Hub layout, all in {allocations} allocations) on "
           f"{torch.cuda.get_device_name(device)}")
-    rows, version = [], 0
+    runs = [run.split(":") for run in args.runs]
+    layouts = [layout for _, layout, _ in runs]
+    if "hub_alloc" in layouts and any(lay != "hub_alloc" for lay in layouts[layouts.index("hub_alloc"):]):
+        raise SystemExit("--runs: hub_alloc rows must come last (the fused state is converted for them)")
+    model_args = preset(args.preset)
+    rows, version, exact, alloc = [], 0, True, None
     print(f"{'transport':>12} {'layout':>6} {'bucket':>7} {'best s':>8} {'GB/s':>7} {'stage s':>8} {'valid s':>8} "
           f"{'swap s':>7} {'buckets':>7} {'shares':>7}  all reps (s)")
-    for run in args.runs:
-        transport, layout, bucket_mb = run.split(":")
+    for transport, layout, bucket_mb in runs:
         sync = WeightSync(pool, transport=transport, bucket_mb=int(bucket_mb), timeout_s=900)
-        state = fused if layout == "fused" else hub
+        if layout == "hub_alloc" and alloc is None:
+            if version:  # what the earlier rows left on the worker, before their source is released
+                exact &= check_exact(pool, fused, model_args.num_hidden_layers)
+            alloc = separate(fused, hub, model_args.num_experts)
+            torch.cuda.synchronize()
+        state = {"fused": fused, "hub": hub, "hub_alloc": alloc}[layout]
         reps = 1 if transport == "object_store" else args.reps + 1  # the first cuda_ipc push compiles and warms up
         stats = []
         for _ in range(reps):
@@ -163,7 +206,8 @@ def main() -> None:
               f"{r['shared_storages']:>7}  {r['reps_s']}"
               + (f"  plain broadcast {ceiling:.1f} GB/s ({100 * r['of_broadcast']:.0f}%)" if ceiling else ""),
               flush=True)
-    exact = check_exact(pool, fused, preset(args.preset).num_hidden_layers)
+    last = refused(alloc, model_args.num_hidden_layers, model_args.num_experts) if alloc else fused
+    exact &= check_exact(pool, last, model_args.num_hidden_layers)
     served = pool.generate([Prompt(0, "p0", [1, 2, 3], SamplingParams(max_tokens=4, seed=0))])[0]
     print(f"worker tensors bit-exact with the source's quantization: {exact}; it serves version "
           f"{served.weight_version} (pushed {version})")
