@@ -23,6 +23,21 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+def expert_fields(name: str) -> tuple[int, list[str]] | None:
+    """(layer, the fields after "experts") of a name under model.layers.L.mlp.experts, else None."""
+    f = name.split(".")
+    if f[:2] == ["model", "layers"] and f[3:5] == ["mlp", "experts"] and f[2].isdigit():
+        return int(f[2]), f[5:]
+    return None
+
+
+def hub_expert(rest: list[str]) -> tuple[int, str] | None:
+    """(expert, projection) of a per-expert (Hub-layout) tensor from expert_fields' rest ([e, proj, "weight"])."""
+    if len(rest) == 3 and rest[0].isdigit() and rest[1] in PROJS and rest[2] == "weight":
+        return int(rest[0]), rest[1]
+    return None
+
+
 @dataclass(frozen=True)
 class Dense:
     name: str
@@ -78,12 +93,12 @@ class WeightNames:
             return Dense(name, self.dense_shapes[name])
         if name == "lm_head.weight" and self.args.tie_word_embeddings:
             return TiedHead(name)
-        f = name.split(".")
-        if f[:2] == ["model", "layers"] and f[3:5] == ["mlp", "experts"] and f[2].isdigit():
-            layer = int(f[2])
+        fields = expert_fields(name)
+        if fields is not None:
+            layer, rest = fields
             if layer >= self.num_layers:
                 raise ValueError(f"{name}: layer {layer} >= num_hidden_layers {self.num_layers}")
-            return self._experts(name, layer, f[5:])
+            return self._experts(name, layer, rest)
         raise ValueError(f"unexpected tensor {name!r} for {self.num_layers} Qwen3-MoE layers")
 
     def _experts(self, name: str, layer: int, rest: list[str]) -> Experts:
@@ -92,14 +107,15 @@ class WeightNames:
             if rest[0] == "gate_up_proj":
                 return Experts(layer, "w13", None, slice(0, 2 * I), FUSED[rest[0]], (E, 2 * I, H))
             return Experts(layer, "w2", None, slice(0, H), FUSED[rest[0]], (E, H, I))
-        if len(rest) == 3 and rest[0].isdigit() and rest[1] in PROJS and rest[2] == "weight":
-            expert = int(rest[0])
+        hub = hub_expert(rest)
+        if hub is not None:
+            expert, proj = hub
             if expert >= E:
                 raise ValueError(f"{name}: expert {expert} >= num_experts {E}")
-            if rest[1] == "down_proj":
+            if proj == "down_proj":
                 return Experts(layer, "w2", expert, slice(0, H), ("down_proj",), (H, I))
-            rows = slice(0, I) if rest[1] == "gate_proj" else slice(I, 2 * I)
-            return Experts(layer, "w13", expert, rows, (rest[1],), (I, H))
+            rows = slice(0, I) if proj == "gate_proj" else slice(I, 2 * I)
+            return Experts(layer, "w13", expert, rows, (proj,), (I, H))
         raise ValueError(f"{name}: unexpected expert tensor name")
 
 

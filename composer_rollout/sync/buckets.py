@@ -67,7 +67,7 @@ class Packed:
         return out
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -98,7 +98,7 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor | Packed]], bucket_b
         raise ValueError(f"bucket size {bucket_bytes} bytes is too small (at least {ALIGN})")
     group, size = [], 0
     for name, t in checked(named_tensors):
-        n = _aligned(t.numel() * t.element_size())
+        n = aligned(t.numel() * t.element_size())
         if group and size + n > bucket_bytes:
             yield group
             group, size = [], 0
@@ -114,7 +114,7 @@ def layout(items: list[tuple[str, torch.Tensor | Packed]]) -> tuple[list[TensorM
     for name, t in items:
         nbytes = t.numel() * t.element_size()
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += _aligned(nbytes)
+        offset += aligned(nbytes)
     return metas, offset
 
 

@@ -31,9 +31,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from composer_rollout.sync.buckets import ALIGN, Packed, checked
+from composer_rollout.model.weight_names import expert_fields, hub_expert
+from composer_rollout.sync.buckets import Packed, aligned, checked
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
 Geometry = tuple[int, int, int, int]  # (layers, experts, moe intermediate size I, hidden size H), as the worker has it
 
 
@@ -64,23 +64,18 @@ class ExpertPacker:
         done: set[int] = set()  # layers packed or given up on in this push: their later tensors pass as they are
         shapes = {"gate_proj": (self.I, self.H), "up_proj": (self.I, self.H), "down_proj": (self.H, self.I)}
         for name, t in checked(named_tensors):
-            f = name.split(".")
-            if not (len(f) >= 6 and f[0] == "model" and f[1] == "layers" and f[3] == "mlp" and f[4] == "experts"
-                    and f[2].isdigit()):
+            fields = expert_fields(name)
+            if fields is None or not fields[1] or fields[0] in done or fields[0] >= self.layers:
                 yield name, t
                 continue
-            layer = int(f[2])
-            hub = len(f) == 8 and f[5].isdigit() and f[6] in PROJS and f[7] == "weight"
-            if layer in done or layer >= self.layers:
-                yield name, t
-                continue
+            layer, hub = fields[0], hub_expert(fields[1])
             state = held.get(layer)
-            expert = int(f[5]) if hub else -1
             slots = None
-            if hub and expert < self.E and t.shape == shapes[f[6]]:
+            if hub is not None and hub[0] < self.E and t.shape == shapes[hub[1]]:
+                expert, proj = hub
                 if state is None:
                     state = held[layer] = _Layer(self.E, t)
-                slots, i = (state.w2, expert) if f[6] == "down_proj" else (state.w13, 2 * expert + (f[6] == "up_proj"))
+                slots, i = (state.w2, expert) if proj == "down_proj" else (state.w13, 2 * expert + (proj == "up_proj"))
                 if slots[i] is not None or t.dtype != state.dtype or t.device != state.device:
                     slots = None
             if slots is None:  # not a slot of this layer's fused pair: the layer goes out as it came
@@ -136,7 +131,7 @@ def tiled(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | N
 
 def staged_bytes(bucket: list[tuple[str, torch.Tensor | Packed]]) -> int:
     """Bytes a bucket's Packed items take in a staging buffer (each at an ALIGN boundary)."""
-    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in bucket if isinstance(t, Packed))
+    return sum(aligned(t.numel() * t.element_size()) for _, t in bucket if isinstance(t, Packed))
 
 
 def materialize(bucket: list[tuple[str, torch.Tensor | Packed]], buffer: torch.Tensor
@@ -148,6 +143,6 @@ def materialize(bucket: list[tuple[str, torch.Tensor | Packed]], buffer: torch.T
         if isinstance(t, Packed):
             nbytes = t.numel() * t.element_size()
             t = t.into(buffer[offset:offset + nbytes].view(t.dtype).view(t.shape))
-            offset += -(-nbytes // ALIGN) * ALIGN
+            offset += aligned(nbytes)
         out.append((name, t))
     return out
