@@ -286,9 +286,11 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"BF16 matmul {tflops:.1f} TFLOP/s (torch.matmul 8192^3, CUDA graph, median)", flush=True)
     sweep = {} if args.no_sweep else {
-        t: {"bn16bk256": ("pair", Tiles(pair_bn=16, pair_bk=256)),
-            "bn4bk1024": ("pair", Tiles(pair_bn=4, pair_bk=1024)),
-            "down_bk128": ("pair", Tiles(pair_down_bk=128))} for t in (1, 4)}
+        t: {"bn2w2ctas8": ("pair", Tiles(pair_bn=2, pair_warps=2, pair_ctas=8)),
+            "nopdl": ("pair", Tiles(pair_stages=2, pair_ctas=8)),
+            "down_ctas4": ("pair", Tiles(pair_down_ctas=4)),
+            "down_bh16w8": ("pair", Tiles(pair_down_bh=16, pair_down_warps=8, pair_down_stages=2, pair_down_ctas=2))}
+        for t in (1, 2, 4)}
     sweep.update({t: {"stages2": ("expert", Tiles(expert_stages=2)), "bk64": ("expert", Tiles(expert_bk=64)),
                       "bn64bh32": ("expert", Tiles(expert_bn=64, expert_bh=32))} for t in (16, 64)})
     tokens = [int(t) for t in args.tokens.split(",")]

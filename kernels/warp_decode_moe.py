@@ -14,22 +14,20 @@ Why this shape. Decode at T = 1..64 should be a pure weight stream (3 * H * I * 
 4.87 MB per touched expert, Qwen3-30B-A3B): the aim is to keep enough bytes in flight and to read each
 touched expert from HBM once. Two schedules:
 
-* pair ("literal" warp decode): one program per (pair, block of I rows) for gate_up and one per (token,
-  block of H rows) for down, the k experts' rows loaded together as one [k * BH, I-chunk] tile. Rows are
-  reduced with tl.sum over an axis one warp spans (Triton's form of the shuffle butterfly); MXFP8 scales
-  multiply each 32-element partial sum, so dequantization costs a convert per weight and a multiply per 32.
-  No sorting, no padding, no combine. Tokens sharing an expert each read its rows (through L2) and redo
-  its FMAs, so its time grows with T; measured fastest up to T = 16 (k = 8). A program takes its rows' whole
-  H in one chunk (loads issued together, none waiting on the last iteration's), and at T = 1 the down
-  launch is programmatic-dependent: its CTAs load their weights while gate_up drains and only the act load
-  waits (griddepcontrol.wait).
+* pair ("literal" warp decode): kernels/warp_decode_gate_up.py and kernels/warp_decode_down.py. gate_up's work
+  items are (pair, block of I rows), down's (token, block of H rows) with the k experts' rows loaded together; rows
+  are reduced with tl.sum over an axis one warp spans (Triton's form of the shuffle butterfly) and MXFP8 scales
+  multiply each 32-element partial sum. No sorting, no padding, no combine. A few persistent programs per SM walk
+  the items in a software-pipelined loop (cp.async copies issued ahead), which keeps more bytes in flight than a
+  program per item did (docs/perf.md, version 6). Tokens sharing an expert each read its rows (the first from
+  HBM, the rest mostly from L2) and redo its FMAs, so time grows with T; measured fastest up to T = 32 (k = 8).
 * expert: one program per (distinct expert, block of rows), found in-kernel from topk_ids (the first pair
   routed to an expert leads, the rest exit), loops over the pairs routed to it in tiles of 16 and runs a
   TF32 tl.dot on the dequantized FP32 tile, so each weight byte is read once however many tokens share it.
   TF32 is exact for MXFP8 and BF16 weights and BF16 hidden; act loses the bits past its 10-bit mantissa (a
   hi + lo split kept them but cost 255 registers and so occupancy). Down writes per-pair rows of `part`
   and a small combine launch sums each token's k rows in a fixed order (deterministic, no atomics).
-`warp_decode_moe` picks per T ("auto": expert from 256 pairs on); docs/perf.md has the measurements behind
+`warp_decode_moe` picks per T ("auto": expert from 512 pairs on); docs/perf.md has the measurements behind
 the choice and the tile sizes, and a grouped CUDA-core variant that lost (compute-bound).
 """
 
@@ -41,7 +39,9 @@ import triton.language as tl
 
 from kernels.moe_combine import moe_combine
 from kernels.moe_reference import check_kernel_args, weight_parts
-from kernels.mx_tiles import e8m0_to_f32, kmajor_tile
+from kernels.mx_tiles import kmajor_tile
+from kernels.warp_decode_down import warp_decode_down
+from kernels.warp_decode_gate_up import warp_decode_gate_up
 
 _PAIR_TILE = 16  # tl.dot needs at least 16 rows; decode rarely routes more pairs than that to one expert
 
@@ -52,26 +52,6 @@ def _k_mask(kk, KDIM: tl.constexpr, BK: tl.constexpr):
     if KDIM % BK == 0:
         return tl.full(kk.shape, 1, tl.int1)
     return kk < KDIM
-
-
-@triton.jit
-def _load_rows(d_ptr, s_ptr, row, row_ok, kk, k_ok, sg, KDIM, IS_MX: tl.constexpr):
-    """W[row, kk] as FP32 [R, G, 32] for row [R], kk [G, 32], and the factor of each 32-group [R, G] (its E8M0
-    scale, or 1 for BF16): the scale multiplies a 32-element partial sum, not every weight."""
-    m = row_ok[:, None, None] & k_ok[None, :, :]
-    w = tl.load(d_ptr + row[:, None, None] * KDIM + kk[None, :, :], mask=m, other=0.0).to(tl.float32)
-    if IS_MX:
-        s = tl.load(s_ptr + row[:, None] * (KDIM // 32) + sg[None, :],
-                    mask=row_ok[:, None] & (sg < KDIM // 32)[None, :], other=127)
-        return w, e8m0_to_f32(s)
-    return w, tl.full([row.shape[0], sg.shape[0]], 1.0, tl.float32)
-
-
-@triton.jit
-def _rows_dot(d_ptr, s_ptr, row, row_ok, vec, kk, k_ok, sg, KDIM, IS_MX: tl.constexpr):
-    """sum_k W[row, k] * vec[.., k], vec broadcastable to [R, G, 32], sg [G] the scale column of each group."""
-    w, f = _load_rows(d_ptr, s_ptr, row, row_ok, kk, k_ok, sg, KDIM, IS_MX)
-    return tl.sum(tl.sum(w * vec, axis=2) * f, axis=1)
 
 
 @triton.jit
@@ -104,61 +84,6 @@ def _pair_tile(ids_ptr, P, e, base, cnt, TB: tl.constexpr, PP: tl.constexpr):
         pr += tl.sum(tl.where(m[None, :] & (rank[None, :] == r[:, None]), i[None, :], 0), axis=1)
         seen += tl.sum(m.to(tl.int32), axis=0)
     return pr, r < cnt
-
-
-@triton.jit
-def _gate_up_pair_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
-                         K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         PDL: tl.constexpr):
-    nb, p = tl.program_id(0), tl.program_id(1)
-    if PDL:  # down's CTAs may start (and load their weights) as soon as SMs have room
-        tl.extra.cuda.gdc_launch_dependents()
-    t = p // K_TOP
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    n = nb * BN + tl.arange(0, BN)
-    n_ok = n < I
-    g0 = tl.arange(0, BK // 32)
-    kk0 = g0[:, None] * 32 + tl.arange(0, 32)[None, :]
-    g = tl.zeros([BN], dtype=tl.float32)
-    u = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        kk = k0 + kk0
-        k_ok = _k_mask(kk, H, BK)
-        xv = tl.load(x_ptr + t * H + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
-        g += _rows_dot(d_ptr, s_ptr, e * 2 * I + n, n_ok, xv, kk, k_ok, k0 // 32 + g0, H, IS_MX)
-        u += _rows_dot(d_ptr, s_ptr, e * 2 * I + I + n, n_ok, xv, kk, k_ok, k0 // 32 + g0, H, IS_MX)
-    rw = tl.load(rw_ptr + p).to(tl.float32)
-    tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok)
-
-
-@triton.jit
-def _down_token_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr,
-                       KP: tl.constexpr, IS_MX: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                       PDL: tl.constexpr):
-    hb, t = tl.program_id(0), tl.program_id(1)
-    r = tl.arange(0, KP * BH)
-    j = r // BH
-    h = hb * BH + r % BH
-    row_ok = (j < K_TOP) & (h < H)
-    p = t * K_TOP + j
-    e = tl.load(ids_ptr + p, mask=j < K_TOP, other=0).to(tl.int64)
-    g0 = tl.arange(0, BK // 32)
-    kk0 = g0[:, None] * 32 + tl.arange(0, 32)[None, :]
-    acc = tl.zeros([KP * BH], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        kk = k0 + kk0
-        k_ok = _k_mask(kk, I, BK)
-        # The weights do not depend on gate_up: under PDL they load while gate_up still runs, and only the act
-        # load waits for it (a no-op after the first chunk).
-        w, f = _load_rows(d_ptr, s_ptr, e * H + h, row_ok, kk, k_ok, k0 // 32 + g0, I, IS_MX)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        a = tl.load(act_ptr + p[:, None, None] * I + kk[None, :, :], mask=row_ok[:, None, None] & k_ok[None, :, :],
-                    other=0.0)
-        acc += tl.sum(tl.sum(w * a, axis=2) * f, axis=1)
-    y = tl.sum(tl.reshape(acc, (KP, BH)), axis=0)
-    hh = hb * BH + tl.arange(0, BH)
-    tl.store(out_ptr + t * H + hh, y.to(tl.bfloat16), mask=hh < H)
 
 
 @triton.jit
@@ -224,41 +149,53 @@ def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.const
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes (powers of two, multiples of 32 for the reduction chunks); `tiles_for` picks them per T from
-    the H200 measurements in docs/perf.md. pair_min_expert_pairs: "auto" takes the expert schedule from this
-    many pairs (T * k) on. pdl: launch the later kernels with programmatic dependent launch, so their CTAs start
-    and load weights while the previous kernel drains (measured to help only when gate_up is a single wave)."""
+    """Tile sizes (powers of two; reduction chunks multiples of 32); `tiles_for` picks them per T from the H200
+    measurements in docs/perf.md. pair_*: kernels/warp_decode_gate_up.py (BN gate and BN up rows per item),
+    pair_down_*: kernels/warp_decode_down.py (BH rows of each of the k experts per item, BK-wide chunks of I);
+    *_ctas: persistent programs per SM; *_stages: the pipeliner's stages (items or chunks in flight + 1).
+    pair_min_expert_pairs: "auto" takes the expert schedule from this many pairs (T * k) on. pdl: launch the later
+    kernels with programmatic dependent launch, so their CTAs start while the previous kernel drains."""
 
-    pair_bn: int = 2
-    pair_bk: int = 2048
-    pair_down_rows: int = 32
+    pair_bn: int = 4
+    pair_warps: int = 4
+    pair_stages: int = 3
+    pair_ctas: int = 5
+    pair_down_bh: int = 8
     pair_down_bk: int = 256
-    pair_warps: int = 2
+    pair_down_warps: int = 4
+    pair_down_stages: int = 3
+    pair_down_ctas: int = 3
     expert_bn: int = 32
     expert_bh: int = 64
     expert_bk: int = 128
     expert_warps: int = 4
     expert_stages: int = 1
-    pair_min_expert_pairs: int = 256
+    pair_min_expert_pairs: int = 512
     pdl: bool = False
 
 
-# Triton's interpreter costs milliseconds per program, whatever its size: the fewest, largest tiles.
-INTERPRETER_TILES = Tiles(pair_bn=64, pair_bk=128, pair_down_rows=128, pair_down_bk=128, expert_bn=64, expert_bh=64,
-                          expert_bk=128)
+# Triton's interpreter costs milliseconds per program, whatever its size: the fewest, largest tiles, and two
+# programs, so each walks several items as the GPU's persistent programs do.
+INTERPRETER_TILES = Tiles(pair_bn=32, pair_ctas=2, pair_down_bh=32, pair_down_bk=64, pair_down_ctas=2, expert_bn=64,
+                          expert_bh=64, expert_bk=128)
 
 
 def tiles_for(num_tokens: int) -> Tiles:
-    """The tiles measured fastest at this T (docs/perf.md, version 5): a whole row of H per program (no
-    loop-carried load latency), more programs at T = 1, where gate_up is one wave and PDL overlaps the down
-    launch with its tail."""
+    """The tiles measured fastest at this T (docs/perf.md, version 6)."""
     if triton.knobs.runtime.interpret:
         return INTERPRETER_TILES
     if num_tokens == 1:
-        return Tiles(pair_bn=4, pair_warps=8, pdl=True)
-    if num_tokens < 4:
-        return Tiles(pair_warps=4)
+        return Tiles(pair_stages=2, pair_ctas=8)
+    if num_tokens == 2:
+        return Tiles(pair_bn=2, pair_warps=2, pair_ctas=8, pair_down_ctas=4)
     return Tiles()
+
+
+def _programs(device: torch.device, per_sm: int) -> int:
+    """A persistent grid: `per_sm` programs on each SM (the interpreter runs them one after another: one 'SM')."""
+    if device.type != "cuda":
+        return per_sm
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
@@ -290,26 +227,25 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     by_pair = P < E
     leaders = P if by_pair else E
     pp = triton.next_power_of_2(max(P, 16))
-    kp = triton.next_power_of_2(k)
     # Programmatic dependent launch (sm_90) is inline PTX that Triton's interpreter cannot run; it changes
     # when the later launches start, never what they compute.
     hints = dict(PDL=tiles.pdl and not triton.knobs.runtime.interpret)
     later = dict(launch_pdl=True) if hints["PDL"] else {}
     if schedule == "pair":
-        _gate_up_pair_kernel[(triton.cdiv(I, tiles.pair_bn), P)](
-            hidden, topk_ids, topk_weights, d13, s13, act, H, I, K_TOP=k, IS_MX=mx13, BN=tiles.pair_bn,
-            BK=tiles.pair_bk, num_warps=tiles.pair_warps, **hints)
+        warp_decode_gate_up(hidden, topk_weights, topk_ids, (d13, s13, mx13), act, block_n=tiles.pair_bn,
+                            num_warps=tiles.pair_warps, num_stages=tiles.pair_stages,
+                            programs=_programs(hidden.device, tiles.pair_ctas), pdl=hints["PDL"])
     else:
         _gate_up_expert_kernel[(triton.cdiv(I, tiles.expert_bn), leaders)](
             hidden, topk_ids, topk_weights, d13, s13, act, P, H, I, K_TOP=k, IS_MX=mx13, BY_PAIR=by_pair,
             PP=pp, TB=_PAIR_TILE, BN=tiles.expert_bn, BK=tiles.expert_bk, num_warps=tiles.expert_warps,
             num_stages=tiles.expert_stages, **hints)
     if schedule != "expert":
-        bh = max(1, tiles.pair_down_rows // kp)
-        _down_token_kernel[(triton.cdiv(H, bh), T)](
-            act, topk_ids, d2, s2, out, H, I, K_TOP=k, KP=kp, IS_MX=mx2, BH=bh, BK=tiles.pair_down_bk,
-            num_warps=tiles.pair_warps, **hints, **later)
-        return out
+        return warp_decode_down(act, topk_ids, (d2, s2, mx2), out, block_h=tiles.pair_down_bh,
+                                block_k=tiles.pair_down_bk, num_warps=tiles.pair_down_warps,
+                                num_stages=tiles.pair_down_stages, programs=_programs(hidden.device,
+                                                                                      tiles.pair_down_ctas),
+                                pdl=hints["PDL"])
     part = torch.empty((P, H), dtype=torch.float32, device=hidden.device)
     _down_expert_kernel[(triton.cdiv(H, tiles.expert_bh), leaders)](
         act, topk_ids, d2, s2, part, P, H, I, IS_MX=mx2, BY_PAIR=by_pair, PP=pp, TB=_PAIR_TILE, BH=tiles.expert_bh,

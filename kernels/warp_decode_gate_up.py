@@ -1,0 +1,121 @@
+"""Warp decode's first kernel: for every (token, routed expert) pair, gate and up rows over all of H, SiLU(gate) * up
+times the routing weight, in FP32.
+
+Shapes: T tokens, H hidden, I intermediate, E experts, k routed experts per token, P = T * k pairs (p = t * k + j).
+Layout (row-major [out, in], as kernels/moe_reference.py):
+    hidden [T, H] bf16   topk_ids [T, k] int32/64   topk_weights [T, k] float
+    w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1): bf16, or MXFP8 data fp8 e4m3 [E, 2I, H] + scales uint8 E8M0
+        [E, 2I, H / 32] (one per 32 reduction elements)
+    act [P, I] fp32 (out) = topk_weight * silu(gate) * up
+Work item: (pair p, block of BN rows n): the expert's gate rows n and up rows I + n, all of H in one tile, against the
+token's hidden row. Items are numbered block-major (item = block * P + p), so the pairs that share an expert read its
+rows at about the same time and all but the first read from L2.
+Bytes: each touched expert's w13 once from HBM, 2 * I * H * (1 + 1/32) in MXFP8 (2 bytes per weight in BF16); pairs
+sharing an expert re-read it from L2; hidden rows (L2), act written P * I * 4.
+
+Why this shape. Decode at small T is a pure weight stream, and its limit is how many bytes each SM keeps in flight.
+Programs that load their rows once and exit (one per item) leave the SM idle between the load and the next
+program's; persistent programs (a few per SM, `programs` in all) instead walk the item list in a software-pipelined
+loop: Triton's pipeliner turns each item's loads into cp.async copies into shared memory issued `num_stages - 1`
+items ahead, so loads no longer wait on registers or on the previous item's arithmetic. Each row is reduced with
+tl.sum (warp shuffles, and shared memory across warps); MXFP8 scales multiply each 32-element partial sum, so
+dequantization costs a convert per weight and a multiply per 32. Measured against one-program-per-item kernels in
+docs/perf.md (version 6).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mx_tiles import e8m0_to_f32
+from kernels.mxfp8 import as_dense
+
+
+@triton.jit
+def _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H: tl.constexpr, HP: tl.constexpr,
+                  I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr):
+    G: tl.constexpr = HP // 32
+    p = item % P
+    t = p // K_TOP
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n = (item // P) * BN + tl.arange(0, BN)
+    if I % BN == 0:  # masks constant where the shape divides evenly: unpredicated 16-byte copies
+        n_ok = tl.full([BN], 1, tl.int1)
+    else:
+        n_ok = n < I
+    kk = tl.arange(0, HP)
+    sg = tl.arange(0, G)
+    if HP == H:
+        k_ok = tl.full([HP], 1, tl.int1)
+    else:
+        k_ok = kk < H
+    gate = e * 2 * I + n
+    m = n_ok[:, None] & k_ok[None, :]
+    wg = tl.load(d_ptr + gate[:, None] * H + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    wu = tl.load(d_ptr + (gate + I)[:, None] * H + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.reshape(tl.load(x_ptr + t * H + kk, mask=k_ok, other=0.0).to(tl.float32), (1, G, 32))
+    g = tl.sum(tl.reshape(wg, (BN, G, 32)) * x, axis=2)
+    u = tl.sum(tl.reshape(wu, (BN, G, 32)) * x, axis=2)
+    if IS_MX:
+        sm = n_ok[:, None] & (sg < H // 32)[None, :]
+        g *= e8m0_to_f32(tl.load(s_ptr + gate[:, None] * (H // 32) + sg[None, :], mask=sm, other=127))
+        u *= e8m0_to_f32(tl.load(s_ptr + (gate + I)[:, None] * (H // 32) + sg[None, :], mask=sm, other=127))
+    g = tl.sum(g, axis=1)
+    u = tl.sum(u, axis=1)
+    rw = tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, n_items, n_programs, H: tl.constexpr,
+                    HP: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr,
+                    STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next launch's CTAs may start (and load their weights) as soon as SMs have room
+        tl.extra.cuda.gdc_launch_dependents()
+    if INTERPRET:  # the interpreter's range() takes no runtime bounds; the GPU needs a for loop to pipeline
+        item = tl.program_id(0)
+        while item < n_items:
+            _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H, HP, I, K_TOP, IS_MX, BN)
+            item += n_programs
+    else:
+        for item in tl.range(tl.program_id(0), n_items, n_programs, num_stages=STAGES):
+            _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H, HP, I, K_TOP, IS_MX, BN)
+
+
+def warp_decode_gate_up(hidden, topk_weights, topk_ids, w13_parts, act, *, block_n: int, num_warps: int,
+                        num_stages: int, programs: int, pdl: bool = False) -> torch.Tensor:
+    """act[p] = topk_weights[p] * silu(gate_e(hidden[t])) * up_e(hidden[t]) for every pair p = t * k + j routed to
+    e = topk_ids[t, j]; writes and returns `act` [P, I] fp32. w13_parts: (data, scales, is_mx) from
+    kernels.moe_reference.weight_parts (the caller, warp_decode_moe, checks the MoE arguments); `programs`:
+    persistent programs in the grid (a few per SM)."""
+    d13, s13, is_mx = w13_parts
+    (T, H), k = hidden.shape, topk_ids.shape[1]
+    I = d13.shape[1] // 2
+    if act.dtype != torch.float32 or act.shape != (T * k, I) or not act.is_contiguous():
+        raise ValueError(f"act must be a contiguous float32 [{T * k}, {I}] tensor, got {act.dtype} "
+                         f"{tuple(act.shape)} strides {act.stride()}")
+    if block_n & (block_n - 1) or num_stages < 1 or programs < 1:
+        raise ValueError(f"block_n must be a power of two and num_stages, programs >= 1, got {block_n}, "
+                         f"{num_stages}, {programs}")
+    n_items = triton.cdiv(I, block_n) * T * k
+    grid = min(n_items, programs)
+    if grid:
+        _gate_up_kernel[(grid,)](hidden, topk_ids, topk_weights, d13, s13, act, T * k, n_items, grid, H,
+                                 triton.next_power_of_2(H), I, K_TOP=k,
+                                 IS_MX=is_mx, BN=block_n, STAGES=num_stages,
+                                 INTERPRET=triton.knobs.runtime.interpret, PDL=pdl, num_warps=num_warps,
+                                 num_stages=num_stages)
+    return act
+
+
+def gate_up_reference(hidden, topk_weights, topk_ids, w13) -> torch.Tensor:
+    """act [P, I] in FP32 on the dequantized weights: the FP32 answer warp_decode_gate_up approximates."""
+    x = hidden.float()
+    I = w13.shape[1] // 2
+    act = torch.empty(topk_ids.numel(), I, dtype=torch.float32, device=hidden.device)
+    flat = topk_ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pairs = torch.nonzero(flat == e).flatten()
+        gate, up = (x[pairs // topk_ids.shape[1]] @ as_dense(w13[e], torch.float32).T).split(I, dim=-1)
+        act[pairs] = topk_weights.reshape(-1)[pairs, None].float() * torch.nn.functional.silu(gate) * up
+    return act
