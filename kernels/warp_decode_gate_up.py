@@ -49,19 +49,17 @@ def _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H: tl.
         k_ok = tl.full([HP], 1, tl.int1)
     else:
         k_ok = kk < H
-    gate = e * 2 * I + n
-    m = n_ok[:, None] & k_ok[None, :]
-    wg = tl.load(d_ptr + gate[:, None] * H + kk[None, :], mask=m, other=0.0).to(tl.float32)
-    wu = tl.load(d_ptr + (gate + I)[:, None] * H + kk[None, :], mask=m, other=0.0).to(tl.float32)
-    x = tl.reshape(tl.load(x_ptr + t * H + kk, mask=k_ok, other=0.0).to(tl.float32), (1, G, 32))
-    g = tl.sum(tl.reshape(wg, (BN, G, 32)) * x, axis=2)
-    u = tl.sum(tl.reshape(wu, (BN, G, 32)) * x, axis=2)
+    # [BN, 2] rows: gate n and up I + n side by side, so that the scales come as one [BN, 2, G] byte tile, 4 bytes per
+    # thread: narrower per-thread loads are not pipelined (they would wait in the loop, once per item).
+    row = e * 2 * I + n[:, None] + I * tl.arange(0, 2)[None, :]
+    m = n_ok[:, None, None] & k_ok[None, None, :]
+    w = tl.load(d_ptr + row[:, :, None] * H + kk[None, None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.reshape(tl.load(x_ptr + t * H + kk, mask=k_ok, other=0.0).to(tl.float32), (1, 1, G, 32))
+    part = tl.sum(tl.reshape(w, (BN, 2, G, 32)) * x, axis=3)
     if IS_MX:
-        sm = n_ok[:, None] & (sg < H // 32)[None, :]
-        g *= e8m0_to_f32(tl.load(s_ptr + gate[:, None] * (H // 32) + sg[None, :], mask=sm, other=127))
-        u *= e8m0_to_f32(tl.load(s_ptr + (gate + I)[:, None] * (H // 32) + sg[None, :], mask=sm, other=127))
-    g = tl.sum(g, axis=1)
-    u = tl.sum(u, axis=1)
+        sm = n_ok[:, None, None] & (sg < H // 32)[None, None, :]
+        part *= e8m0_to_f32(tl.load(s_ptr + row[:, :, None] * (H // 32) + sg[None, None, :], mask=sm, other=127))
+    g, u = tl.split(tl.sum(part, axis=2))
     rw = tl.load(rw_ptr + p).to(tl.float32)
     tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok)
 

@@ -188,6 +188,8 @@ def tiles_for(num_tokens: int) -> Tiles:
         return Tiles(pair_stages=2, pair_ctas=8)
     if num_tokens == 2:
         return Tiles(pair_bn=2, pair_warps=2, pair_ctas=8, pair_down_ctas=4)
+    if num_tokens <= 4:
+        return Tiles(pair_down_ctas=4)
     return Tiles()
 
 
