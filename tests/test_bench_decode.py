@@ -24,7 +24,17 @@ def test_bench_decode_runs_every_section(tmp_path):
                                               for b in (1, 2)}
     assert set(summary["warp_vs_expert_centric"]) == {"B1/c9"}
     assert summary["longtail"]["requests"] == 3 and 0 < summary["longtail"]["occupancy"] <= 1
+    assert 0 < summary["longtail"]["occupancy_bound_fifo"] <= 1
     assert summary["accuracy"]["mean_abs_dlogprob"] < 0.05  # BF16 + MXFP8 engine against its FP32 twin
     assert (tmp_path / "bench_decode.png").stat().st_size > 0
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     assert len(rows) == 4 and all(r["step_ms"] > 0 and 0 < r["roofline_ms"] < r["step_ms"] for r in rows)
+
+
+def test_fifo_occupancy_bound():
+    from jobs.bench_decode import fifo_occupancy
+
+    assert fifo_occupancy([5] * 6, 3) == 1.0  # equal lengths, whole rounds
+    # Slots 0/1 take 8 and 2; the 2-slot frees at 2 and takes 4 (ends 6), then 3 at 6 (ends 9): 17 tokens / (2 x 9).
+    assert fifo_occupancy([8, 2, 4, 3], 2) == 17 / 18
+    assert fifo_occupancy([], 4) == 0.0
