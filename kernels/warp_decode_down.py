@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import e8m0_to_f32
 from kernels.mxfp8 import as_dense
 
@@ -100,9 +101,8 @@ def warp_decode_down(act, topk_ids, w2_parts, out, *, block_h: int, block_k: int
     d2, s2, is_mx = w2_parts
     T, k = topk_ids.shape
     H, I = d2.shape[1], d2.shape[2]
-    if act.dtype != torch.float32 or act.shape != (T * k, I) or not act.is_contiguous():
-        raise ValueError(f"act must be a contiguous float32 [{T * k}, {I}] tensor, got {act.dtype} "
-                         f"{tuple(act.shape)} strides {act.stride()}")
+    check_tensor("act", act, torch.float32, (T * k, I), d2.device)
+    check_tensor("out", out, torch.bfloat16, (T, H), d2.device)
     if block_h & (block_h - 1) or block_k & (block_k - 1) or block_k < 32 or num_stages < 1 or programs < 1:
         raise ValueError(f"block_h and block_k must be powers of two (block_k >= 32) and num_stages, programs >= 1, "
                          f"got {block_h}, {block_k}, {num_stages}, {programs}")

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import e8m0_to_f32
 from kernels.mxfp8 import as_dense
 
@@ -89,9 +90,7 @@ def warp_decode_gate_up(hidden, topk_weights, topk_ids, w13_parts, act, *, block
     d13, s13, is_mx = w13_parts
     (T, H), k = hidden.shape, topk_ids.shape[1]
     I = d13.shape[1] // 2
-    if act.dtype != torch.float32 or act.shape != (T * k, I) or not act.is_contiguous():
-        raise ValueError(f"act must be a contiguous float32 [{T * k}, {I}] tensor, got {act.dtype} "
-                         f"{tuple(act.shape)} strides {act.stride()}")
+    check_tensor("act", act, torch.float32, (T * k, I), d13.device)
     if block_n & (block_n - 1) or num_stages < 1 or programs < 1:
         raise ValueError(f"block_n must be a power of two and num_stages, programs >= 1, got {block_n}, "
                          f"{num_stages}, {programs}")
@@ -99,8 +98,7 @@ def warp_decode_gate_up(hidden, topk_weights, topk_ids, w13_parts, act, *, block
     grid = min(n_items, programs)
     if grid:
         _gate_up_kernel[(grid,)](hidden, topk_ids, topk_weights, d13, s13, act, T * k, n_items, grid, H,
-                                 triton.next_power_of_2(H), I, K_TOP=k,
-                                 IS_MX=is_mx, BN=block_n, STAGES=num_stages,
+                                 triton.next_power_of_2(H), I, K_TOP=k, IS_MX=is_mx, BN=block_n, STAGES=num_stages,
                                  INTERPRET=triton.knobs.runtime.interpret, PDL=pdl, num_warps=num_warps,
                                  num_stages=num_stages)
     return act

@@ -66,16 +66,19 @@ def test_down_matches_fp32(T, k, E, H, I, mx, block, warps, stages, programs):
 def test_launchers_name_bad_buffers_and_tiles():
     hidden, weights, ids, w13, w2 = _problem(2, 3, 5, 64, 96, True, seed=0)
     parts13, parts2 = weight_parts(w13, "w13", hidden.device), weight_parts(w2, "w2", hidden.device)
-    with pytest.raises(ValueError, match="act must be a contiguous float32"):
+    with pytest.raises(TypeError, match="act must be a torch.float32"):
         warp_decode_gate_up(hidden, weights, ids, parts13, torch.empty(6, 96, dtype=torch.bfloat16, device=DEVICE),
                             block_n=4, num_warps=4, num_stages=3, programs=4)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         warp_decode_gate_up(hidden, weights, ids, parts13, torch.empty(6, 96, device=DEVICE), block_n=3,
                             num_warps=4, num_stages=3, programs=4)
     out = torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="act must be a contiguous float32"):
+    with pytest.raises(ValueError, match="act must have shape"):
         warp_decode_down(torch.empty(5, 96, device=DEVICE), ids, parts2, out, block_h=8, block_k=64, num_warps=4,
                          num_stages=3, programs=4)
+    with pytest.raises(TypeError, match="out must be a torch.bfloat16"):
+        warp_decode_down(torch.empty(6, 96, device=DEVICE), ids, parts2, out.float(), block_h=8, block_k=64,
+                         num_warps=4, num_stages=3, programs=4)
     with pytest.raises(ValueError, match="block_k"):
         warp_decode_down(torch.empty(6, 96, device=DEVICE), ids, parts2, out, block_h=8, block_k=16, num_warps=4,
                          num_stages=3, programs=4)
