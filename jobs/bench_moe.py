@@ -1,7 +1,7 @@
 """Benchmark the MoE kernel paths on the GPU (H200): µs per layer, bytes, TB/s, TFLOP/s, % of roofline, accuracy.
 
-Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`, `expert`
-(kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
+Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `grouped`, `expert_gate_up`,
+`expert` (kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
 tuned tiles and dequant "auto": FP8 dots for MXFP8 weights up to T = 1024); `expert_centric_bf16` (BF16 dots at
 every T); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
 above); `expert_centric_f16` (its dequant "f16_rel": FP16 dots, kernels/mx_tiles.py); `expert_centric_fp8` (its
@@ -30,14 +30,13 @@ import triton
 import triton.language as tl
 
 from kernels import auto_moe, expert_centric_moe, moe_reference, mxfp8_quantize
-from kernels.warp_decode_moe import Tiles, warp_decode_moe
+from kernels.warp_decode_moe import SCHEDULES, Tiles, warp_decode_moe
 
 SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, k=8), "qwen3-235b-a22b": dict(H=4096, I=1536, E=128, k=8)}
 # Quoted from /work/shared/docs/background.md (vLLM Triton fused_moe, faster of BF16/FP8, H200, 30B shape).
 VLLM_QUOTED_US = {1: 29.1, 2: 38.2, 4: 50.9, 8: 92.3, 16: 120.5, 32: 160.4, 64: 188.5, 128: 200.2}
 TARGET_US = {1: 17.4, 2: 23.6, 4: 45.3, 8: 80.7, 16: 112.0, 32: 152.0, 64: 171.0}
 PREFILL_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
-WARP_SCHEDULES = ("auto", "pair", "expert_gate_up", "expert")
 
 
 @triton.jit
@@ -131,7 +130,7 @@ def rel_err(out, ref):
 
 def path(name, tiles=None):
     """(row label, fn(hidden, topk_weights, topk_ids, w13, w2) -> [T, H], CUDA-graph capturable) for --paths."""
-    if name in WARP_SCHEDULES:
+    if name in SCHEDULES:
         kw = dict(schedule=name) if tiles is None else dict(schedule=name, tiles=tiles)
         return f"warp:{name}", lambda *args: warp_decode_moe(*args, **kw), True
     if name == "expert_centric":
@@ -146,7 +145,7 @@ def path(name, tiles=None):
         return "expert_centric:act_mxfp8(eager)", lambda *args: expert_centric_moe(*args, act_dtype="mxfp8"), False
     if name == "kernel_auto":
         return "kernel:auto", auto_moe, True
-    raise ValueError(f"unknown path {name!r}: choose from {', '.join(WARP_SCHEDULES)}, expert_centric, "
+    raise ValueError(f"unknown path {name!r}: choose from {', '.join(SCHEDULES)}, expert_centric, "
                      "expert_centric_bf16, expert_centric_f16, expert_centric_fp8, expert_centric_act_mxfp8, "
                      "kernel_auto")
 
@@ -164,7 +163,7 @@ def bench_shape(name, shape, tokens, layers, reps, paths, sweep, warp_max_tokens
         # FP32 hidden in, so the references' outputs are not rounded to BF16.
         ref_same = moe_reference(h0.float(), w0, i0, *mx[0], compute_dtype=torch.float32)
         ref_orig = moe_reference(h0.float(), w0, i0, *bf[0], compute_dtype=torch.float32)
-        names = [p for p in paths if p not in WARP_SCHEDULES or T <= warp_max_tokens]
+        names = [p for p in paths if p not in SCHEDULES or T <= warp_max_tokens]
         runs = [(*path(p), "mxfp8", False) for p in names]
         if len(bf) == layers:  # BF16 weights: the same bytes model at 2 bytes per weight
             runs += [(*path(p), "bf16", False) for p in ("auto", "expert_centric") if p in names]
@@ -274,7 +273,7 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--paths", default="auto,pair,expert_gate_up,expert")
+    parser.add_argument("--paths", default="auto,pair,grouped,expert_gate_up,expert")
     parser.add_argument("--warp-max-tokens", type=int, default=1024, help="largest T for warp decode's schedules")
     parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
@@ -293,6 +292,10 @@ def main():
         for t in (1, 2, 4)}
     sweep.update({t: {"stages2": ("expert", Tiles(expert_stages=2)), "bk64": ("expert", Tiles(expert_bk=64)),
                       "bn64bh32": ("expert", Tiles(expert_bn=64, expert_bh=32))} for t in (16, 64)})
+    for t in (8, 16, 32):  # first tiles for the grouped schedule (kernels/warp_decode_gate_up_grouped.py)
+        sweep.setdefault(t, {}).update({
+            "tb2": ("grouped", Tiles(grouped_tb=2)), "tb8": ("grouped", Tiles(grouped_tb=8)),
+            "bn2w2ctas4": ("grouped", Tiles(grouped_bn=2, grouped_warps=2, grouped_ctas=4))})
     tokens = [int(t) for t in args.tokens.split(",")]
     tokens += [t for t in PREFILL_TOKENS if args.prefill and t not in tokens]
     rows = []
