@@ -33,34 +33,65 @@ from kernels.mxfp8 import as_dense
 
 
 @triton.jit
-def _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H: tl.constexpr, HP: tl.constexpr,
-                  I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr):
-    G: tl.constexpr = HP // 32
-    p = item % P
-    t = p // K_TOP
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    n = (item // P) * BN + tl.arange(0, BN)
+def expert_rows(d_ptr, e, nb, live, H: tl.constexpr, HP: tl.constexpr, I: tl.constexpr, BN: tl.constexpr):
+    """Expert e's gate rows n = nb * BN .. + BN and up rows I + n over all of H (loads nothing unless `live`): the
+    weights as FP32 [BN, 2, G, 32] (G = HP / 32 groups of 32), the rows [BN, 2] (for row_scales), n [BN] and which
+    n exist. Gate and up side by side make the scales one [BN, 2, G] byte tile, 4 bytes per thread at the shipped
+    tiles: narrower per-thread loads are not pipelined (they would wait in the loop, once per item)."""
+    n = nb * BN + tl.arange(0, BN)
     if I % BN == 0:  # masks constant where the shape divides evenly: unpredicated 16-byte copies
         n_ok = tl.full([BN], 1, tl.int1)
     else:
         n_ok = n < I
     kk = tl.arange(0, HP)
-    sg = tl.arange(0, G)
     if HP == H:
         k_ok = tl.full([HP], 1, tl.int1)
     else:
         k_ok = kk < H
-    # [BN, 2] rows: gate n and up I + n side by side, so that the scales come as one [BN, 2, G] byte tile, 4 bytes per
-    # thread: narrower per-thread loads are not pipelined (they would wait in the loop, once per item).
-    row = e * 2 * I + n[:, None] + I * tl.arange(0, 2)[None, :]
-    m = n_ok[:, None, None] & k_ok[None, None, :]
+    row = e.to(tl.int64) * 2 * I + n[:, None] + I * tl.arange(0, 2)[None, :]
+    m = (n_ok[:, None, None] & k_ok[None, None, :]) & live
     w = tl.load(d_ptr + row[:, :, None] * H + kk[None, None, :], mask=m, other=0.0).to(tl.float32)
-    x = tl.reshape(tl.load(x_ptr + t * H + kk, mask=k_ok, other=0.0).to(tl.float32), (1, 1, G, 32))
-    part = tl.sum(tl.reshape(w, (BN, 2, G, 32)) * x, axis=3)
+    return tl.reshape(w, (BN, 2, HP // 32, 32)), row, n, n_ok
+
+
+@triton.jit
+def row_scales(s_ptr, row, n_ok, live, H: tl.constexpr, HP: tl.constexpr, IS_MX: tl.constexpr):
+    """The factor of each 32-group of expert_rows' rows, [BN, 2, G]: its E8M0 scale, or 1 for BF16 weights."""
+    G: tl.constexpr = HP // 32
     if IS_MX:
-        sm = n_ok[:, None, None] & (sg < H // 32)[None, None, :]
-        part *= e8m0_to_f32(tl.load(s_ptr + row[:, :, None] * (H // 32) + sg[None, None, :], mask=sm, other=127))
-    g, u = tl.split(tl.sum(part, axis=2))
+        sg = tl.arange(0, G)
+        sm = (n_ok[:, None, None] & (sg < H // 32)[None, None, :]) & live
+        return e8m0_to_f32(tl.load(s_ptr + row[:, :, None] * (H // 32) + sg[None, None, :], mask=sm, other=127))
+    return tl.full([row.shape[0], 2, G], 1.0, tl.float32)
+
+
+@triton.jit
+def hidden_row(x_ptr, t, ok, H: tl.constexpr, HP: tl.constexpr):
+    """Token t's hidden row as FP32 [1, 1, G, 32], broadcastable against expert_rows' weights (zeros unless ok)."""
+    kk = tl.arange(0, HP)
+    if HP == H:
+        m = tl.full([HP], 1, tl.int1) & ok
+    else:
+        m = (kk < H) & ok
+    x = tl.load(x_ptr + t * H + kk, mask=m, other=0.0).to(tl.float32)
+    return tl.reshape(x, (1, 1, HP // 32, 32))
+
+
+@triton.jit
+def gate_up_sums(w, f, x):
+    """One token's gate and up sums [BN] each, from expert_rows' w, row_scales' f and hidden_row's x: each 32-element
+    partial sum times its group's factor, then the groups summed."""
+    return tl.split(tl.sum(tl.sum(w * x, axis=3) * f, axis=2))
+
+
+@triton.jit
+def _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H: tl.constexpr, HP: tl.constexpr,
+                  I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr):
+    p = item % P
+    e = tl.load(ids_ptr + p)
+    w, row, n, n_ok = expert_rows(d_ptr, e, item // P, True, H, HP, I, BN)
+    x = hidden_row(x_ptr, p // K_TOP, True, H, HP)
+    g, u = gate_up_sums(w, row_scales(s_ptr, row, n_ok, True, H, HP, IS_MX), x)
     rw = tl.load(rw_ptr + p).to(tl.float32)
     tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok)
 

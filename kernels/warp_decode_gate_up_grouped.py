@@ -27,43 +27,21 @@ import triton.language as tl
 
 from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import e8m0_to_f32
+from kernels.warp_decode_gate_up import expert_rows, gate_up_sums, hidden_row, row_scales
 
 
 @triton.jit
 def _grouped_item(x_ptr, rw_ptr, sorted_ptr, block_expert_ptr, d_ptr, s_ptr, act_ptr, P, n_row_blocks, item,
                   H: tl.constexpr, HP: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr,
                   BN: tl.constexpr, TB: tl.constexpr):
-    G: tl.constexpr = HP // 32
     mb = item // n_row_blocks
     e = tl.load(block_expert_ptr + mb)
-    live = e >= 0
-    n = (item % n_row_blocks) * BN + tl.arange(0, BN)
-    if I % BN == 0:  # masks constant where the shape divides evenly: unpredicated 16-byte copies
-        n_ok = tl.full([BN], 1, tl.int1)
-    else:
-        n_ok = n < I
-    kk = tl.arange(0, HP)
-    if HP == H:
-        k_ok = tl.full([HP], 1, tl.int1)
-    else:
-        k_ok = kk < H
-    row = tl.maximum(e, 0).to(tl.int64) * 2 * I + n[:, None] + I * tl.arange(0, 2)[None, :]
-    m = (n_ok[:, None, None] & k_ok[None, None, :]) & live
-    w = tl.load(d_ptr + row[:, :, None] * H + kk[None, None, :], mask=m, other=0.0).to(tl.float32)
-    w = tl.reshape(w, (BN, 2, G, 32))
-    if IS_MX:
-        sg = tl.arange(0, G)
-        f = e8m0_to_f32(tl.load(s_ptr + row[:, :, None] * (H // 32) + sg[None, None, :],
-                                mask=(n_ok[:, None, None] & (sg < H // 32)[None, None, :]) & live, other=127))
+    w, row, n, n_ok = expert_rows(d_ptr, tl.maximum(e, 0), item % n_row_blocks, e >= 0, H, HP, I, BN)
+    f = row_scales(s_ptr, row, n_ok, e >= 0, H, HP, IS_MX)
     for i in tl.static_range(TB):
         p = tl.load(sorted_ptr + mb * TB + i)
         ok = p < P
-        x = tl.load(x_ptr + (p // K_TOP) * H + kk, mask=k_ok & ok, other=0.0).to(tl.float32)
-        part = tl.sum(w * tl.reshape(x, (1, 1, G, 32)), axis=3)
-        if IS_MX:
-            part *= f
-        g, u = tl.split(tl.sum(part, axis=2))
+        g, u = gate_up_sums(w, f, hidden_row(x_ptr, p // K_TOP, ok, H, HP))
         rw = tl.load(rw_ptr + p, mask=ok, other=0.0).to(tl.float32)
         tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok & ok)
 
