@@ -22,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def sigint_deliverable():
+    """For tests that Ctrl-C a job subprocess: a shell starts background commands with SIGINT ignored, a child
+    inherits that, and Python then installs no KeyboardInterrupt handler, so the test would depend on how pytest was
+    launched. Handled (not ignored) here, SIGINT reaches the children's Python at its default."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One local Ray head for the rollout tests (`ray start --head`), shared by the in-process pool tests, the

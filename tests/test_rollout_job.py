@@ -141,7 +141,7 @@ def test_ray_job_submit_against_a_local_head(tmp_path, ray_cluster):
     assert sorted((r["prompt_id"], r["sample_index"]) for r in rows) == [(f"p{i}", j) for i in range(3) for j in (0, 1)]
 
 
-def test_ctrl_c_leaves_a_file_that_resume_completes(tmp_path, ray_head):
+def test_ctrl_c_leaves_a_file_that_resume_completes(tmp_path, ray_head, sigint_deliverable):
     """A real SIGINT to the driver mid-job: the file it leaves holds whole lines only, and resume=true finishes it
     with every sample exactly once."""
     import signal

@@ -285,7 +285,7 @@ def test_abort_returns_the_live_sequences_as_aborted(pool):
     assert all(len(r.weight_versions) == 1 for r in results if r.finish_reason != "abort")
 
 
-def test_the_rollout_job_takes_a_sync_from_another_process(tmp_path, cluster):
+def test_the_rollout_job_takes_a_sync_from_another_process(tmp_path, cluster, sigint_deliverable):
     """jobs/rollout.py started with rollout.name takes a push from this process while it runs; once samples of the
     new version are in its output, Ctrl-C ends it (a long prompt set keeps it running until then)."""
     out = tmp_path / "rollouts.jsonl"
