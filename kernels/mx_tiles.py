@@ -75,6 +75,15 @@ def block_slots(sorted_ptr, mb, P, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def tail_mask(idx, N: tl.constexpr, BLOCK: tl.constexpr):
+    """idx < N for indices in blocks of BLOCK; a constant mask when BLOCK divides N, so that masked loads stay
+    unpredicated 16-byte copies."""
+    if N % BLOCK == 0:
+        return tl.full(idx.shape, 1, tl.int1)
+    return idx < N
+
+
+@triton.jit
 def e8m0_to_f32(s):
     """2^(s - 127) for E8M0 codes 1..254, by placing the code in FP32's exponent field."""
     return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import e8m0_to_f32
+from kernels.mx_tiles import e8m0_to_f32, tail_mask
 from kernels.mxfp8 import as_dense
 
 
@@ -35,26 +35,18 @@ def _down_step(act_ptr, ids_ptr, d_ptr, s_ptr, out_ptr, q, n_programs, step, acc
     """Chunk c of this program's (step // C)-th item; returns the accumulator the next step continues."""
     C: tl.constexpr = (I + BK - 1) // BK
     G: tl.constexpr = BK // 32
+    NHB: tl.constexpr = (H + BH - 1) // BH
     item = q + (step // C) * n_programs
     c = step % C
-    t = item // ((H + BH - 1) // BH)
-    h = (item % ((H + BH - 1) // BH)) * BH + tl.arange(0, BH)
+    t = item // NHB
+    h = (item % NHB) * BH + tl.arange(0, BH)
     j = tl.arange(0, KP)
-    if H % BH == 0:  # masks constant where the shape divides evenly: unpredicated 16-byte copies
-        h_ok = tl.full([BH], 1, tl.int1)
-    else:
-        h_ok = h < H
-    if KP == K_TOP:
-        j_ok = tl.full([KP], 1, tl.int1)
-    else:
-        j_ok = j < K_TOP
+    h_ok = tail_mask(h, H, BH)  # masks constant where the shape divides evenly: unpredicated 16-byte copies
+    j_ok = tail_mask(j, K_TOP, KP)
     p = t * K_TOP + j
     e = tl.load(ids_ptr + p, mask=j_ok, other=0).to(tl.int64)
     kk = c * BK + tl.arange(0, BK)
-    if I % BK == 0:
-        k_ok = tl.full([BK], 1, tl.int1)
-    else:
-        k_ok = kk < I
+    k_ok = tail_mask(kk, I, BK)
     row = e[:, None] * H + h[None, :]
     row_ok = j_ok[:, None] & h_ok[None, :]
     w = tl.load(d_ptr + row[:, :, None] * I + kk[None, None, :], mask=row_ok[:, :, None] & k_ok[None, None, :],

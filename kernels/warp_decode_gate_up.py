@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import e8m0_to_f32
+from kernels.mx_tiles import e8m0_to_f32, tail_mask
 from kernels.mxfp8 import as_dense
 
 
@@ -39,15 +39,9 @@ def expert_rows(d_ptr, e, nb, live, H: tl.constexpr, HP: tl.constexpr, I: tl.con
     n exist. Gate and up side by side make the scales one [BN, 2, G] byte tile, 4 bytes per thread at the shipped
     tiles: narrower per-thread loads are not pipelined (they would wait in the loop, once per item)."""
     n = nb * BN + tl.arange(0, BN)
-    if I % BN == 0:  # masks constant where the shape divides evenly: unpredicated 16-byte copies
-        n_ok = tl.full([BN], 1, tl.int1)
-    else:
-        n_ok = n < I
+    n_ok = tail_mask(n, I, BN)
     kk = tl.arange(0, HP)
-    if HP == H:
-        k_ok = tl.full([HP], 1, tl.int1)
-    else:
-        k_ok = kk < H
+    k_ok = tail_mask(kk, H, HP)  # constant when H is a power of two (HP == H)
     row = e.to(tl.int64) * 2 * I + n[:, None] + I * tl.arange(0, 2)[None, :]
     m = (n_ok[:, None, None] & k_ok[None, None, :]) & live
     w = tl.load(d_ptr + row[:, :, None] * H + kk[None, None, :], mask=m, other=0.0).to(tl.float32)
@@ -69,11 +63,7 @@ def row_scales(s_ptr, row, n_ok, live, H: tl.constexpr, HP: tl.constexpr, IS_MX:
 def hidden_row(x_ptr, t, ok, H: tl.constexpr, HP: tl.constexpr):
     """Token t's hidden row as FP32 [1, 1, G, 32], broadcastable against expert_rows' weights (zeros unless ok)."""
     kk = tl.arange(0, HP)
-    if HP == H:
-        m = tl.full([HP], 1, tl.int1) & ok
-    else:
-        m = (kk < H) & ok
-    x = tl.load(x_ptr + t * H + kk, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * H + kk, mask=tail_mask(kk, H, HP) & ok, other=0.0).to(tl.float32)
     return tl.reshape(x, (1, 1, HP // 32, 32))
 
 

@@ -43,21 +43,13 @@ import triton.language as tl
 from kernels.moe_align import moe_align
 from kernels.moe_combine import moe_combine
 from kernels.moe_reference import check_kernel_args, weight_parts
-from kernels.mx_tiles import kmajor_tile
+from kernels.mx_tiles import kmajor_tile, tail_mask
 from kernels.warp_decode_down import warp_decode_down
 from kernels.warp_decode_gate_up import warp_decode_gate_up
 from kernels.warp_decode_gate_up_grouped import warp_decode_gate_up_grouped
 
 SCHEDULES = ("auto", "pair", "grouped", "expert_gate_up", "expert")
 _PAIR_TILE = 16  # tl.dot needs at least 16 rows; decode rarely routes more pairs than that to one expert
-
-
-@triton.jit
-def _k_mask(kk, KDIM: tl.constexpr, BK: tl.constexpr):
-    """A mask that is constant along the reduction when BK divides it, so the loads vectorize (16 B)."""
-    if KDIM % BK == 0:
-        return tl.full(kk.shape, 1, tl.int1)
-    return kk < KDIM
 
 
 @triton.jit
@@ -111,7 +103,7 @@ def _gate_up_expert_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, H: 
         u = tl.zeros([TB, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
             kk = k0 + kb
-            k_ok = _k_mask(kk, H, BK)
+            k_ok = tail_mask(kk, H, BK)
             xv = tl.load(x_ptr + (pr // K_TOP)[:, None] * H + kk[None, :], mask=ok[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float32)
             # FP32 weight tiles for a TF32 dot: exact for MXFP8 and BF16 weights (the interpreter's BF16 dot is wrong)
@@ -145,7 +137,7 @@ def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.const
         acc = tl.zeros([TB, BH], dtype=tl.float32)
         for k0 in range(0, I, BK):
             kk = k0 + kb
-            k_ok = _k_mask(kk, I, BK)
+            k_ok = tail_mask(kk, I, BK)
             a = tl.load(act_ptr + pr[:, None] * I + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
             w = kmajor_tile(d_ptr, s_ptr, e * H + h, h_ok, k0, I, BK, IS_MX, tl.float32)
             acc = tl.dot(a, w, acc, input_precision="tf32")
