@@ -286,7 +286,7 @@ def main():
     print(f"BF16 matmul {tflops:.1f} TFLOP/s (torch.matmul 8192^3, CUDA graph, median)", flush=True)
     sweep = {} if args.no_sweep else {
         t: {"bn2w2ctas8": ("pair", Tiles(pair_bn=2, pair_warps=2, pair_ctas=8)),
-            "nopdl": ("pair", Tiles(pair_stages=2, pair_ctas=8)),
+            "stages2ctas8pdl": ("pair", Tiles(pair_stages=2, pair_ctas=8, pdl=True)),
             "down_ctas4": ("pair", Tiles(pair_down_ctas=4)),
             "down_bh16w8": ("pair", Tiles(pair_down_bh=16, pair_down_warps=8, pair_down_stages=2, pair_down_ctas=2))}
         for t in (1, 2, 4)}
