@@ -1,6 +1,6 @@
 """Benchmark the MoE kernel paths on the GPU (H200): µs per layer, bytes, TB/s, TFLOP/s, % of roofline, accuracy.
 
-Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `grouped`, `expert_gate_up`,
+Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`,
 `expert` (kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
 tuned tiles and dequant "auto": FP8 dots for MXFP8 weights up to T = 1024); `expert_centric_bf16` (BF16 dots at
 every T); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
@@ -273,7 +273,7 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--paths", default="auto,pair,grouped,expert_gate_up,expert")
+    parser.add_argument("--paths", default="auto,pair,expert_gate_up,expert")
     parser.add_argument("--warp-max-tokens", type=int, default=1024, help="largest T for warp decode's schedules")
     parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
@@ -292,10 +292,6 @@ def main():
         for t in (1, 2, 4)}
     sweep.update({t: {"stages2": ("expert", Tiles(expert_stages=2)), "bk64": ("expert", Tiles(expert_bk=64)),
                       "bn64bh32": ("expert", Tiles(expert_bn=64, expert_bh=32))} for t in (16, 64)})
-    for t in (8, 16, 32):  # first tiles for the grouped schedule (kernels/warp_decode_gate_up_grouped.py)
-        sweep.setdefault(t, {}).update({
-            "tb2": ("grouped", Tiles(grouped_tb=2)), "tb8": ("grouped", Tiles(grouped_tb=8)),
-            "bn2w2ctas4": ("grouped", Tiles(grouped_bn=2, grouped_warps=2, grouped_ctas=4))})
     tokens = [int(t) for t in args.tokens.split(",")]
     tokens += [t for t in PREFILL_TOKENS if args.prefill and t not in tokens]
     rows = []

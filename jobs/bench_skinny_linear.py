@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 
 from jobs.bench_moe import read_ceiling_tbs, time_graph
-from kernels.skinny_linear import _config, _kernel, kernel_constexprs, skinny_linear, skinny_linear_reference
+from kernels.skinny_linear import _config, _skinny_linear_kernel, kernel_constexprs, skinny_linear, skinny_linear_reference
 
 SHAPES = {
     "qwen3-30b-a3b": {"qkv": (5120, 2048, torch.bfloat16), "o_proj": (2048, 4096, torch.bfloat16),
@@ -147,7 +147,7 @@ def ptxas_report(models, tokens):
                 cx = dict(kernel_constexprs(T, K, cfg, out_dtype), INTERPRET=False, PDL=True)
                 sig = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32" if out_dtype == torch.float32 else "*bf16",
                            T="i32", N="i32", stride_x="i32", **{k: "constexpr" for k in cx})
-                src = ASTSource(fn=_kernel, signature=sig, constexprs=cx,
+                src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=cx,
                                 attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)})
                 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                      options=dict(num_warps=cfg.num_warps)).asm["ptx"]

@@ -63,7 +63,7 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr, k_cache_ptr,
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr, k_cache_ptr,
             v_cache_ptr, eps, S, N, L, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
             HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr,
             PDL: tl.constexpr):
@@ -169,7 +169,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
         raise ValueError(f"q_out has {q_out.numel()} elements, 2^31 or more: offsets are int32")
     if B * S == 0:
         return q_out
-    _kernel[(B * S,)](q, k, v, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache,
+    _qk_norm_rope_kernel[(B * S,)](q, k, v, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache,
                       float(eps), S, N, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                       HQ=Hq, HKV=Hkv, HQ_P=triton.next_power_of_2(Hq), HKV_P=triton.next_power_of_2(Hkv), D=D,
                       num_warps=4, **pdl_launch())

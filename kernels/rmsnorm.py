@@ -53,7 +53,7 @@ def round_bf16(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
             ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, INTERPRET: tl.constexpr,
             PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
@@ -126,7 +126,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             raise ValueError(f"{o_name} overlaps {i_name}: in-place rms_norm is not supported")
     if T > 0:
         block, rows, warps = _launch_shape(H)
-        _kernel[(triton.cdiv(T, rows),)](x, x if residual is None else residual, weight, out,
+        _rmsnorm_kernel[(triton.cdiv(T, rows),)](x, x if residual is None else residual, weight, out,
                                          out if residual_out is None else residual_out, T, float(eps), H=H,
                                          BLOCK=block, ROWS=rows, HAS_RES=residual is not None,
                                          RES_F32=res_f32, INTERPRET=triton.knobs.runtime.interpret, num_warps=warps,

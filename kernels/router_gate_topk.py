@@ -41,7 +41,7 @@ _MIN_PROGRAMS = 128  # ~the SM count: BLOCK_T grows past 16 only when T still fi
 
 
 @triton.jit
-def _kernel(x_ptr, g_ptr, w_ptr, ids_ptr, cap_ptr, T, H: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+def _router_gate_topk_kernel(x_ptr, g_ptr, w_ptr, ids_ptr, cap_ptr, T, H: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
             LOG_E: tl.constexpr, LOG_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, CAPTURE: tl.constexpr, DOT: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -118,7 +118,7 @@ def router_gate_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int
     interpret = triton.knobs.runtime.interpret
     if T > 0:
         cfg = launch_config(T, H, E)
-        _kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+        _router_gate_topk_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
             hidden, gate_weight, weights, ids, ids if capture_out is None else capture_out, T, H=H, E=E, K=top_k,
             LOG_K=(top_k - 1).bit_length(), NORM=bool(norm_topk_prob), CAPTURE=capture_out is not None,
             DOT=dot_dtype(), INTERPRET=interpret, **cfg)

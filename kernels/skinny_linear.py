@@ -95,7 +95,7 @@ def _after_weights(w, xf, N, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
-def _kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, LANES: tl.constexpr, EARLY: tl.constexpr, OUT_BF16: tl.constexpr,
             INTERPRET: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,7 +131,7 @@ def _kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr, BT: tl.const
 
 
 def kernel_constexprs(T: int, K: int, cfg: Config, out_dtype: torch.dtype) -> dict:
-    """_kernel's constexprs for a launch (also what an offline compile check needs)."""
+    """_skinny_linear_kernel's constexprs for a launch (also what an offline compile check needs)."""
     lanes = 32 * cfg.num_warps
     return dict(K=K, BT=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LANES=lanes,
                 EARLY=bool(cfg.early_loads) and cfg.block_k >= 8 * lanes, OUT_BF16=out_dtype == torch.bfloat16,
@@ -183,7 +183,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dty
     if not (_pow2(cfg.block_n) and _pow2(cfg.block_k) and cfg.block_k >= 8 and _pow2(cfg.num_warps)
             and cfg.num_warps <= 16 and K <= 64 * cfg.block_k):
         raise ValueError(f"config {cfg}: powers of two, block_k >= 8, num_warps <= 16, K = {K} in <= 64 chunks")
-    _kernel[(triton.cdiv(N, cfg.block_n),)](x, weight, out, T, N, x.stride(0), num_warps=cfg.num_warps,
+    _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n),)](x, weight, out, T, N, x.stride(0), num_warps=cfg.num_warps,
                                             **kernel_constexprs(T, K, cfg, out_dtype), **pdl_launch())
     return out
 

@@ -21,9 +21,6 @@ touched expert from HBM once. The schedules:
   the items in a software-pipelined loop (cp.async copies issued ahead), which keeps more bytes in flight than a
   program per item did (docs/perf.md, version 6). Tokens sharing an expert each read its rows (the first from
   HBM, the rest mostly from L2) and redo its FMAs, so time grows with T; measured fastest up to T = 32 (k = 8).
-* grouped (not yet measured): the pair schedule with gate_up's items over kernels/moe_align.py's expert-grouped
-  slot blocks (kernels/warp_decode_gate_up_grouped.py), so an expert's rows are copied once per block of up to
-  `grouped_tb` pairs rather than once per pair; one more launch (the align).
 * expert: one program per (distinct expert, block of rows), found in-kernel from topk_ids (the first pair
   routed to an expert leads, the rest exit), loops over the pairs routed to it in tiles of 16 and runs a
   TF32 tl.dot on the dequantized FP32 tile, so each weight byte is read once however many tokens share it.
@@ -31,7 +28,8 @@ touched expert from HBM once. The schedules:
   hi + lo split kept them but cost 255 registers and so occupancy). Down writes per-pair rows of `part`
   and a small combine launch sums each token's k rows in a fixed order (deterministic, no atomics).
 `warp_decode_moe` picks per T ("auto": expert from 512 pairs on); docs/perf.md has the measurements behind
-the choice and the tile sizes, and a grouped CUDA-core variant that lost (compute-bound).
+the choice and the tile sizes, and the schedules that lost (a grouped CUDA-core variant, compute-bound; gate_up
+over expert-grouped slot blocks, 2.8-3x slower than pair at T = 8-32).
 """
 
 from dataclasses import dataclass
@@ -40,15 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_align import moe_align
 from kernels.moe_combine import moe_combine
 from kernels.moe_reference import check_kernel_args, weight_parts
 from kernels.mx_tiles import kmajor_tile, tail_mask
 from kernels.warp_decode_down import warp_decode_down
 from kernels.warp_decode_gate_up import warp_decode_gate_up
-from kernels.warp_decode_gate_up_grouped import warp_decode_gate_up_grouped
 
-SCHEDULES = ("auto", "pair", "grouped", "expert_gate_up", "expert")
+SCHEDULES = ("auto", "pair", "expert_gate_up", "expert")
 _PAIR_TILE = 16  # tl.dot needs at least 16 rows; decode rarely routes more pairs than that to one expert
 
 
@@ -151,9 +147,7 @@ class Tiles:
     measurements in docs/perf.md. pair_*: kernels/warp_decode_gate_up.py (BN gate and BN up rows per item),
     pair_down_*: kernels/warp_decode_down.py (BH rows of each of the k experts per item, BK-wide chunks of I);
     *_ctas: persistent programs per SM; *_stages: the pipeliner's stages (items or chunks in flight + 1).
-    pair_min_expert_pairs: "auto" takes the expert schedule from this many pairs (T * k) on. grouped_*: the
-    "grouped" schedule's gate_up (kernels/warp_decode_gate_up_grouped.py, TB pairs per slot block); 2 programs
-    per SM, as its [BN, 2, H] FP32 weight tile stays in registers across the slots (228 registers at BN 4, sm_90).
+    pair_min_expert_pairs: "auto" takes the expert schedule from this many pairs (T * k) on.
     pdl: launch the later kernels with programmatic dependent launch, so their CTAs start while the previous kernel
     drains."""
 
@@ -172,17 +166,13 @@ class Tiles:
     expert_warps: int = 4
     expert_stages: int = 1
     pair_min_expert_pairs: int = 512
-    grouped_tb: int = 4
-    grouped_bn: int = 4
-    grouped_warps: int = 4
-    grouped_ctas: int = 2
     pdl: bool = False
 
 
 # Triton's interpreter costs milliseconds per program, whatever its size: the fewest, largest tiles, and two
 # programs, so each walks several items as the GPU's persistent programs do.
 INTERPRETER_TILES = Tiles(pair_bn=32, pair_ctas=2, pair_down_bh=32, pair_down_bk=64, pair_down_ctas=2, expert_bn=64,
-                          expert_bh=64, expert_bk=128, grouped_bn=32)
+                          expert_bh=64, expert_bk=128)
 
 
 def tiles_for(num_tokens: int) -> Tiles:
@@ -209,8 +199,7 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
                     schedule: str = "auto", tiles: Tiles | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a decode batch, [T, H] bf16, written to `out` if given. `schedule`: "auto",
-    "pair", "grouped" (gate_up over moe_align's expert-grouped pairs, pair down; not yet measured),
-    "expert_gate_up" (expert-grouped TF32 gate_up, pair down) or "expert" (both grouped, plus combine);
+    "pair", "expert_gate_up" (expert-grouped TF32 gate_up, pair down) or "expert" (both grouped, plus combine);
     `tiles`: None for `tiles_for(T)`."""
     check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
     if schedule not in SCHEDULES:
@@ -239,13 +228,7 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     # when the later launches start, never what they compute.
     hints = dict(PDL=tiles.pdl and not triton.knobs.runtime.interpret)
     later = dict(launch_pdl=True) if hints["PDL"] else {}
-    if schedule == "grouped":
-        sorted_ids, block_expert = moe_align(topk_ids, E, tiles.grouped_tb)
-        warp_decode_gate_up_grouped(hidden, topk_weights, sorted_ids, block_expert, (d13, s13, mx13), act, top_k=k,
-                                    block_m=tiles.grouped_tb, block_n=tiles.grouped_bn, num_warps=tiles.grouped_warps,
-                                    num_stages=tiles.pair_stages,
-                                    programs=_programs(hidden.device, tiles.grouped_ctas))
-    elif schedule == "pair":
+    if schedule == "pair":
         warp_decode_gate_up(hidden, topk_weights, topk_ids, (d13, s13, mx13), act, block_n=tiles.pair_bn,
                             num_warps=tiles.pair_warps, num_stages=tiles.pair_stages,
                             programs=_programs(hidden.device, tiles.pair_ctas), pdl=hints["PDL"])
