@@ -146,9 +146,10 @@ def ptxas_report(models, tokens):
                 cfg = _config(T, N, K)
                 cx = dict(kernel_constexprs(T, K, cfg, out_dtype), INTERPRET=False, PDL=True)
                 sig = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32" if out_dtype == torch.float32 else "*bf16",
-                           T="i32", N="i32", stride_x="i32", **{k: "constexpr" for k in cx})
+                           res_ptr="*fp32", nw_ptr="*bf16", res_out_ptr="*fp32", normed_ptr="*bf16", T="i32",
+                           N="i32", stride_x="i32", eps="fp32", **{k: "constexpr" for k in cx})
                 src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=cx,
-                                attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5)})
+                                attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9)})
                 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                      options=dict(num_warps=cfg.num_warps)).asm["ptx"]
                 with tempfile.TemporaryDirectory() as d:

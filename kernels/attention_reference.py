@@ -17,8 +17,10 @@ from kernels.moe_reference import check_tensor
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor) -> None:
-    """Dtypes, shapes, strides and devices of a cache-attention call; each error names the argument."""
+                         positions: torch.Tensor, q_rows_strided: bool = False) -> None:
+    """Dtypes, shapes, strides and devices of a cache-attention call; each error names the argument.
+    q_rows_strided: q may be a view of a wider buffer (e.g. the fused qkv projection's output): each row's heads
+    contiguous, any stride between rows."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, S, Hq, D], got shape {tuple(q.shape)}")
     B, S, Hq, D = q.shape
@@ -27,7 +29,12 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     N, L, Hkv, _ = k_cache.shape
     if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(f"q is on {q.device}: the attention kernels need CUDA tensors (or Triton's interpreter)")
-    check_tensor("q", q, torch.bfloat16, (B, S, Hq, D), q.device)
+    if q_rows_strided:
+        if q.dtype != torch.bfloat16 or q.stride()[2:] != (D, 1) or q.stride(1) != Hq * D and S > 1:
+            raise ValueError(f"q must be a bfloat16 view with contiguous heads per row, got {q.dtype} strides "
+                             f"{q.stride()}")
+    else:
+        check_tensor("q", q, torch.bfloat16, (B, S, Hq, D), q.device)
     check_tensor("k_cache", k_cache, torch.bfloat16, (N, L, Hkv, D), q.device)
     check_tensor("v_cache", v_cache, torch.bfloat16, (N, L, Hkv, D), q.device)
     if Hq % Hkv:

@@ -31,9 +31,19 @@ Design.
   unused (the large-batch regime, where B * Hkv alone fills the GPU).
 * Offsets into the cache are int64 at the slot (N * L * Hkv * D passes 2^31 at 128 slots x 40960 x 4 x 128);
   within a slot they stay int32 (the launcher checks L * Hkv * D < 2^31).
+* Fused q/k norm + RoPE (new_kv): at a decode step the separate kernels/qk_norm_rope.py launch costs ~3-4 µs
+  per layer of a ~55 µs batch-1 layer for a few KB of work, so the split kernel can take the projections raw.
+  Each program normalises and rotates its G query heads itself (every split of a row repeats it: G * D values
+  and D / 2 sincos, against a loop over the row's keys) and its kv head's new key; the program whose key range
+  holds the new position (exactly one: start <= pos < end) writes the new k and v rows into the cache, reads the
+  cache only below pos, and merges the new key from registers as one more online-softmax step. Same math as
+  qk_norm_rope (FP32 from the BF16 inputs, rounded once to BF16), except that each head's sum of squares runs
+  over the whole row rather than two halves, so a value on a rounding boundary may land one BF16 step apart.
 * Keys past a row's length are masked at the load (read as 0, their scores set to -inf): whatever the cache
   holds there, NaN included, never reaches the output. A row with positions[b] < 0 has no keys: out is 0.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,6 +52,7 @@ import triton.language as tl
 from kernels.attention_reference import check_attention_args
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import dot_dtype, pdl_launch
+from kernels.qk_norm_rope import _to_bf16
 
 _BLOCK_N = 64  # keys per loop step: K and V tiles of 16 KB each at D = 128, loaded together
 _SMS = 132  # H200
@@ -77,9 +88,25 @@ def _row_chunk(pos_ptr, b, L, NS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_scale, L,
+def _norm_rope_rows(x_ptrs, w_ptr, d, cos, ssin, eps, mask, D: tl.constexpr):
+    """kernels/qk_norm_rope.py's per-head RMSNorm * weight and RoPE, on whole head rows [H, D] (x_ptrs: the rows'
+    element pointers): rotate_half pairs element i with i +- D/2, loaded a second time from the same (L1/L2-hot)
+    row, and ssin carries the sign (-sin for the first half). FP32, rounded once to BF16."""
+    pd = (d + D // 2) % D
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptrs + (pd - d)[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)[:, None]  # 1 / D exact (a power of two)
+    y = x * r * tl.load(w_ptr + d).to(tl.float32)[None, :]
+    yp = xp * r * tl.load(w_ptr + pd).to(tl.float32)[None, :]
+    return _to_bf16(y * cos + yp * ssin)
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_scale, L, q_sb,
+                  kn_ptr, vn_ptr, qw_ptr, kw_ptr, inv_freq_ptr, eps, kv_sb, N,
                   HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr, ROPE: tl.constexpr,
+                  PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -98,23 +125,47 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
     d = tl.arange(0, D)
     hq = h * G + g
     g_ok = g < G
-    q = tl.load(q_ptr + (b * (HKV * G) + hq)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(DOT)
-
+    q_ptrs = q_ptr + b * q_sb + hq[:, None] * D + d[None, :]
     slot = tl.load(slots_ptr + b).to(tl.int64)
     kv_off = slot * L * (HKV * D) + h * D
     k_base = k_ptr + kv_off
     v_base = v_ptr + kv_off
+    cache_end = end
+    if ROPE:  # this step's raw q, k, v (module docstring, "Fused q/k norm + RoPE")
+        pos = tl.load(pos_ptr + b).to(tl.int32)
+        angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (D // 2))
+        cos = tl.cos(angle)[None, :]
+        ssin = tl.where(d < D // 2, -tl.sin(angle), tl.sin(angle))[None, :]
+        q = _norm_rope_rows(q_ptrs, qw_ptr, d, cos, ssin, eps, g_ok[:, None], D).to(DOT)
+        k_new = _norm_rope_rows(kn_ptr + b * kv_sb + h * D + d[None, :], kw_ptr, d, cos, ssin, eps, d[None, :] < D, D)
+        v_new = tl.load(vn_ptr + b * kv_sb + h * D + d[None, :])
+        owner = (start <= pos) & (pos < end)  # the one program whose keys include the new one
+        cache_end = tl.minimum(end, pos)
+        if owner & (slot >= 0) & (slot < N):
+            tl.store(k_base + pos * (HKV * D) + d[None, :], k_new)
+            tl.store(v_base + pos * (HKV * D) + d[None, :], v_new)
+    else:
+        q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(DOT)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     if PIPELINE:  # see the module docstring; 2 stages: 38 KB of shared memory per program at D = 128
-        for j in tl.range(start, end, BLOCK_N, num_stages=2):
-            m_i, l_i, acc = _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
+        for j in tl.range(start, cache_end, BLOCK_N, num_stages=2):
+            m_i, l_i, acc = _step(q, k_base, v_base, j, cache_end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
     else:
         j = start
-        while j < end:
-            m_i, l_i, acc = _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
+        while j < cache_end:
+            m_i, l_i, acc = _step(q, k_base, v_base, j, cache_end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
             j += BLOCK_N
+    if ROPE:
+        if owner:  # the new key from registers: one more online-softmax step, P rounded as the dot's is
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(DOT).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
     if NS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row without keys: acc is 0
@@ -183,15 +234,30 @@ def workspace_shape(B: int, Hq: int, D: int, num_splits: int) -> tuple[int, int,
     return (B, Hq, num_splits, D + 4)
 
 
+class NewKV(NamedTuple):
+    """This step's raw projections, for decode_attention to finish itself (module docstring, "Fused q/k norm +
+    RoPE"): k, v [B, 1, Hkv, D] bf16 (views of the qkv output: contiguous heads, unit stride in D), the q/k norm
+    weights [D] bf16, their eps, RoPE's inv_freq [D/2] fp32."""
+    k: torch.Tensor
+    v: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    inv_freq: torch.Tensor
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, *, scale: float | None = None, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                     new_kv: NewKV | None = None) -> torch.Tensor:
     """out[b, 0, h] = softmax(q[b, 0, h] . K^T * scale) V over the keys of slot slots[b] at positions
     0..positions[b, 0] (kv head h // G); writes and returns `out` [B, 1, Hq, D] bf16 (allocated when None).
     scale: default D ** -0.5. num_splits: default default_num_splits(B, Hkv, L). workspace: fp32
     workspace_shape(B, Hq, D, num_splits), allocated when None and unused when num_splits == 1 (a captured
-    graph passes its own). Slots must be valid cache indices; that is not checked (it would need a host sync)."""
-    check_attention_args(q, k_cache, v_cache, slots, positions)
+    graph passes its own). Slots must be valid cache indices; that is not checked (it would need a host sync).
+    new_kv: q is this step's raw projection (a view of the qkv output is fine), normed and rotated here with
+    new_kv's k, which is written to the cache at (slots[b], positions[b]) with v, as qk_norm_rope would."""
+    check_attention_args(q, k_cache, v_cache, slots, positions, q_rows_strided=new_kv is not None)
     B, S, Hq, D = q.shape
     N, L, Hkv, _ = k_cache.shape
     if S != 1:
@@ -203,7 +269,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif not isinstance(num_splits, int) or not 1 <= num_splits <= 65535:
         raise ValueError(f"num_splits must be an int in 1..65535, got {num_splits!r}")
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty((B, 1, Hq, D), dtype=torch.bfloat16, device=q.device)
     check_tensor("out", out, torch.bfloat16, (B, 1, Hq, D), q.device)
     shape = workspace_shape(B, Hq, D, num_splits)
     if B * Hq * num_splits * (D + 4) >= 2**31:
@@ -217,10 +283,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     G = Hq // Hkv
     qk_scale = (D**-0.5 if scale is None else scale) * _LOG2E
     ws = workspace if num_splits > 1 else out  # unused by the kernel then: one specialization either way
-    _split_kernel[(B, Hkv, num_splits)](q, k_cache, v_cache, slots, positions, ws, out, qk_scale, L,
-                                        HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NS=num_splits,
-                                        BLOCK_N=_BLOCK_N, DOT=dot_dtype(),
-                                        PIPELINE=not triton.knobs.runtime.interpret, num_warps=4, **pdl_launch())
+    if new_kv is not None:
+        _check_new_kv(new_kv, B, Hkv, D, q.device)
+        if q.stride(0) != new_kv.k.stride(0):
+            raise ValueError(f"new_kv.k's row stride {new_kv.k.stride(0)} differs from q's {q.stride(0)}")
+        rope = (new_kv.k, new_kv.v, new_kv.q_weight, new_kv.k_weight, new_kv.inv_freq, float(new_kv.eps),
+                new_kv.k.stride(0))
+    else:
+        rope = (q, q, q, q, q, 0.0, 0)  # unused placeholders: one specialization either way
+    _split_kernel[(B, Hkv, num_splits)](q, k_cache, v_cache, slots, positions, ws, out, qk_scale, L, q.stride(0),
+                                        *rope, N, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
+                                        NS=num_splits, BLOCK_N=_BLOCK_N, DOT=dot_dtype(),
+                                        PIPELINE=not triton.knobs.runtime.interpret, ROPE=new_kv is not None,
+                                        num_warps=4, **pdl_launch())
     if num_splits > 1:
         sp = triton.next_power_of_2(num_splits)
         _combine_kernel[(B * Hq,)](workspace, out, positions, L, HQ=Hq, D=D, NS=num_splits, SP=sp, BS=min(sp, 16),
@@ -228,3 +303,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                    **pdl_launch())
     return out
 
+
+
+def _check_new_kv(new_kv: NewKV, B: int, Hkv: int, D: int, device) -> None:
+    for name, t in (("new_kv.k", new_kv.k), ("new_kv.v", new_kv.v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or tuple(t.shape) != (B, 1, Hkv, D):
+            raise ValueError(f"{name} must be a bfloat16 [B, 1, Hkv, D] = {(B, 1, Hkv, D)} tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.stride()[2:] != (D, 1) or t.device != device:
+            raise ValueError(f"{name} must have contiguous heads on {device}, got strides {t.stride()} on {t.device}")
+    if new_kv.v.stride(0) != new_kv.k.stride(0):
+        raise ValueError(f"new_kv.v's row stride {new_kv.v.stride(0)} differs from new_kv.k's {new_kv.k.stride(0)}")
+    check_tensor("new_kv.q_weight", new_kv.q_weight, torch.bfloat16, (D,), device)
+    check_tensor("new_kv.k_weight", new_kv.k_weight, torch.bfloat16, (D,), device)
+    check_tensor("new_kv.inv_freq", new_kv.inv_freq, torch.float32, (D // 2,), device)
+    if isinstance(new_kv.eps, bool) or not isinstance(new_kv.eps, int | float) or not new_kv.eps >= 0:
+        raise ValueError(f"new_kv.eps must be a non-negative float, got {new_kv.eps!r}")

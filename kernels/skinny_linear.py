@@ -28,12 +28,18 @@ bandwidth-bound up to T ~ 8 and issue-bound above (2 * T FMAs per weight pair, C
 variant would be the step for T = 8..16).
 Tails: rows past N and tokens past T load the last valid one (no mask in the loads) and are not stored; a K that
 is not a power of two masks the padded columns (constant over each 8 elements, so the loads stay 16-byte).
+Norm prologue (add_norm_linear): x is the previous block's output and the input is rmsnorm(x + residual), the
+decoder layer's add + norm (kernels/rmsnorm.py's FP32-residual formula). Every program computes it from the
+whole row (K <= BLOCK_K: one chunk), 4-12 KB per token from L2, instead of a separate ~3-4 µs launch; program 0
+stores the FP32 sum and the normed BF16 row for the launches after. It holds every token's row at once, so the
+launch spreads them over more warps as T grows (_config).
 Numerics: BF16 x BF16 products are exact in FP32; the sum is FP32 in a fixed order (deterministic, no atomics);
 bf16 output is rounded once, to nearest even (round_bf16: bit arithmetic under the interpreter, whose cast
 truncates).
 Bytes: N * K * 2 weight (the cost), T * K * 2 x (per program, from L2), T * N * (2 or 4) written.
 """
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -42,7 +48,7 @@ import triton.language as tl
 
 from kernels.moe_reference import check_tensor, overlaps
 from kernels.mx_tiles import pdl_launch
-from kernels.rmsnorm import round_bf16, widen_bf16
+from kernels.rmsnorm import rms_norm_reference, round_bf16, widen_bf16
 
 MAX_T = 16  # tokens per call; the caller uses cuBLAS above (the FMAs grow with T, the bytes do not)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -65,13 +71,18 @@ def max_tokens(N: int) -> int:
     return MAX_T if N <= 512 else 2
 
 
-def _config(T: int, N: int, K: int) -> Config:
-    """The launch for [T, K] x [N, K]: see the module docstring."""
+def _config(T: int, N: int, K: int, norm: bool = False) -> Config:
+    """The launch for [T, K] x [N, K]: see the module docstring. The norm prologue holds x, the residual and the
+    normed row of every token at once, so it spreads them over more warps (T = 2 on 2 warps took 224 registers
+    at K = 2048; T = 4 spilled)."""
     block_k = min(triton.next_power_of_2(K), _MAX_BLOCK_K)
     block_n = 4 if T <= 8 else 2
     while block_n > 1 and triton.cdiv(N, block_n) < _MIN_PROGRAMS:
         block_n //= 2
-    return Config(block_n, block_k, max(1, min(8, block_k // 1024)))
+    warps = max(1, min(8, block_k // 1024))
+    if norm:
+        warps = max(warps, min(16, warps * triton.next_power_of_2(T), block_k // 256))
+    return Config(block_n, block_k, warps)
 
 
 @triton.jit
@@ -95,10 +106,12 @@ def _after_weights(w, xf, N, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, LANES: tl.constexpr, EARLY: tl.constexpr, OUT_BF16: tl.constexpr,
-            INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, stride_x, eps, pid,
+                K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANES: tl.constexpr,
+                EARLY: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """The program's [BT, BLOCK_N] FP32 sums (rows pid * BLOCK_N + i, all T tokens); also kernels/router_gate_topk.py's
+    main loop. With NORM the input is the RMSNorm of x + residual: see the module docstring's "Norm prologue"."""
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BT)
     # Tails read the last valid row / token (module docstring); int64 rows: N * K may pass 2^31.
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[None, :, None] * K
@@ -119,9 +132,44 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr
                 tl.extra.cuda.gdc_wait()
             x = tl.load(x_rows + k0 + k, mask=k0 + k < K, other=0.0)
         xf = widen_bf16(x)
+        if NORM:  # K <= BLOCK_K (checked): the whole row is in this one chunk
+            xf = _add_norm(xf, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, eps, pid, K, BT, BLOCK_K, INTERPRET)
         if EARLY:
             xf = _after_weights(w, xf, N, BT, BLOCK_N, BLOCK_K, LANES)
         acc += tl.sum(xf * widen_bf16(w), axis=2)
+    return acc
+
+
+@triton.jit
+def _add_norm(xf, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, eps, pid, K: tl.constexpr, BT: tl.constexpr,
+              BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """kernels/rmsnorm.py's FP32-residual formula on the widened x tile [BT, 1, BLOCK_K]: s = x + residual,
+    bf16(weight * (s * rsqrt(mean(s^2) + eps))), widened again for the products; program 0 also stores s and
+    the normed row for the launches after this one."""
+    t = tl.arange(0, BT)[:, None, None]
+    k = tl.arange(0, BLOCK_K)[None, None, :]
+    rows = tl.minimum(t, T - 1).to(tl.int64) * K + k
+    ok = k < K
+    s = xf + tl.load(res_ptr + rows, mask=ok, other=0.0)
+    inv = tl.math.rsqrt(tl.sum(s * s, axis=2, keep_dims=True) * (1.0 / K) + eps)
+    normed = round_bf16(widen_bf16(tl.load(nw_ptr + k, mask=ok, other=0.0)) * (s * inv), INTERPRET)
+    if pid == 0:
+        store = ok & (t < T)
+        tl.store(res_out_ptr + rows, s, mask=store)
+        tl.store(normed_ptr + rows, normed, mask=store)
+    return widen_bf16(normed)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, stride_x, eps,
+                          K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          LANES: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr, OUT_BF16: tl.constexpr,
+                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, stride_x, eps, pid, K, BT,
+                      BLOCK_N, BLOCK_K, LANES, EARLY, NORM, INTERPRET, PDL)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BT)
     dst = out_ptr + t[:, None] * N + n[None, :]
     ok = (t < T)[:, None] & (n < N)[None, :]
     if OUT_BF16:
@@ -130,12 +178,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, stride_x, K: tl.constexpr
         tl.store(dst, acc, mask=ok)
 
 
-def kernel_constexprs(T: int, K: int, cfg: Config, out_dtype: torch.dtype) -> dict:
+def kernel_constexprs(T: int, K: int, cfg: Config, out_dtype: torch.dtype, norm: bool = False) -> dict:
     """_skinny_linear_kernel's constexprs for a launch (also what an offline compile check needs)."""
     lanes = 32 * cfg.num_warps
     return dict(K=K, BT=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LANES=lanes,
-                EARLY=bool(cfg.early_loads) and cfg.block_k >= 8 * lanes, OUT_BF16=out_dtype == torch.bfloat16,
-                INTERPRET=triton.knobs.runtime.interpret)
+                EARLY=bool(cfg.early_loads) and cfg.block_k >= 8 * lanes, NORM=norm,
+                OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=triton.knobs.runtime.interpret)
 
 
 def _pow2(v) -> bool:
@@ -148,44 +196,96 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dty
     nearest even once; fp32: the accumulator). x [T, K] bf16 with x.stride(1) == 1, T <= MAX_T; weight [N, K]
     bf16 contiguous, K a multiple of 8. Writes and returns `out` [T, N] (allocated when None; it must not overlap
     x or weight). `config` overrides _config's choice (benchmarks and tests)."""
+    T, K, N = check_skinny(x, weight)
+    out = _out(out, (T, N), out_dtype, x, weight)
+    if T and N:
+        _launch(x, weight, out, config, x, x, x, x, 0.0, norm=False)
+    return out
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                    config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, N], normed [T, K] bf16, s [T, K] fp32): s = x + residual, normed = its RMSNorm (kernels/rmsnorm.py's
+    FP32-residual formula, weight norm_weight [K] bf16), out = normed @ weight^T as skinny_linear computes it; one
+    launch instead of rms_norm's and skinny_linear's. residual [T, K] fp32 contiguous; K <= the largest one-chunk
+    BLOCK_K (8192)."""
+    T, K, N = check_skinny(x, weight)
+    check_add_norm(x, residual, norm_weight, eps)
+    out = _out(None, (T, N), out_dtype, x, weight)
+    normed, summed = torch.empty(T, K, dtype=torch.bfloat16, device=x.device), torch.empty_like(residual)
+    if T and N:
+        _launch(x, weight, out, config, residual, norm_weight, summed, normed, eps, norm=True)
+    return out, normed, summed
+
+
+def check_skinny(x: torch.Tensor, weight: torch.Tensor, x_name: str = "x",
+                 w_name: str = "weight") -> tuple[int, int, int]:
+    """(T, K, N) of a skinny product, or an error naming the argument (as the caller calls it)."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise TypeError(f"x must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(f"{x_name} must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [T, K], got shape {tuple(x.shape)}")
+        raise ValueError(f"{x_name} must be a 2-D tensor [T, K], got shape {tuple(x.shape)}")
     T, K = x.shape
     if T > MAX_T:
-        raise ValueError(f"x has T = {T} tokens, more than MAX_T = {MAX_T}: use F.linear")
+        raise ValueError(f"{x_name} has T = {T} tokens, more than MAX_T = {MAX_T}: use F.linear")
     if K == 0 or K % 8:
-        raise ValueError(f"x: K = {K} must be a positive multiple of 8 (16-byte weight rows)")
+        raise ValueError(f"{x_name}: K = {K} must be a positive multiple of 8 (16-byte weight rows)")
     if x.stride(1) != 1:
-        raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x.stride()}")
+        raise ValueError(f"{x_name} must have contiguous rows (stride(1) == 1), got strides {x.stride()}")
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise ValueError(f"x is on {x.device}: the kernel needs CUDA tensors (or Triton's interpreter)")
+        raise ValueError(f"{x_name} is on {x.device}: the kernel needs CUDA tensors (or Triton's interpreter)")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
-    N = weight.shape[0]
-    check_tensor("weight", weight, torch.bfloat16, (N, K), x.device)
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
-    if out is None:
-        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
-    check_tensor("out", out, out_dtype, (T, N), x.device)
-    if T == 0 or N == 0:
-        return out
+        raise ValueError(f"{w_name} must be a 2-D tensor [N, K], got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    check_tensor(w_name, weight, torch.bfloat16, (weight.shape[0], K), x.device)
+    return T, K, weight.shape[0]
+
+
+def check_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> None:
+    """The norm prologue's arguments (x already checked): an error naming the one that is wrong."""
+    T, K = x.shape
+    check_tensor("residual", residual, torch.float32, (T, K), x.device)
+    check_tensor("norm_weight", norm_weight, torch.bfloat16, (K,), x.device)
+    if not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if K > _MAX_BLOCK_K:
+        raise ValueError(f"norm_weight: K = {K} is over {_MAX_BLOCK_K}: the norm needs the whole row in one chunk")
+
+
+def _out(out, shape, dtype, x, weight) -> torch.Tensor:
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    out = torch.empty(shape, dtype=dtype, device=x.device) if out is None else out
+    check_tensor("out", out, dtype, shape, x.device)
     for name, t in (("x", x), ("weight", weight)):
-        if overlaps(out, t):
+        if out.numel() and overlaps(out, t):
             raise ValueError(f"out overlaps {name}: in-place skinny_linear is not supported")
-    cfg = config or _config(T, N, K)
+    return out
+
+
+def _launch(x, weight, out, config, residual, norm_weight, summed, normed, eps, *, norm: bool) -> None:
+    T, K = x.shape
+    N = weight.shape[0]
+    cfg = config or _config(T, N, K, norm)
     if config is None and triton.knobs.runtime.interpret:
         # The interpreter runs programs one after another at ~ms each: there a program takes up to 64 rows. Each
         # output is still the same sum along K, so the values do not change.
         cfg = cfg._replace(block_n=min(64, triton.next_power_of_2(N)))
     if not (_pow2(cfg.block_n) and _pow2(cfg.block_k) and cfg.block_k >= 8 and _pow2(cfg.num_warps)
-            and cfg.num_warps <= 16 and K <= 64 * cfg.block_k):
-        raise ValueError(f"config {cfg}: powers of two, block_k >= 8, num_warps <= 16, K = {K} in <= 64 chunks")
-    _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n),)](x, weight, out, T, N, x.stride(0), num_warps=cfg.num_warps,
-                                            **kernel_constexprs(T, K, cfg, out_dtype), **pdl_launch())
-    return out
+            and cfg.num_warps <= 16 and K <= 64 * cfg.block_k and (not norm or K <= cfg.block_k)):
+        raise ValueError(f"config {cfg}: powers of two, block_k >= 8, num_warps <= 16, K = {K} in <= 64 chunks"
+                         f"{' (one chunk with the norm)' if norm else ''}")
+    _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, weight, out, residual, norm_weight, summed, normed, T, N, x.stride(0), float(eps), num_warps=cfg.num_warps,
+        **kernel_constexprs(T, K, cfg, out.dtype, norm), **pdl_launch())
+
+
+def add_norm_linear_reference(x, residual, norm_weight, eps, weight, out_dtype=torch.bfloat16):
+    """The same as the two launches it replaces: rms_norm_reference with the FP32 residual, then
+    skinny_linear_reference."""
+    normed, summed = rms_norm_reference(x, norm_weight, eps, residual)
+    return skinny_linear_reference(normed, weight, out_dtype), normed, summed
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -18,7 +18,8 @@ import torch
 import triton
 
 from kernels.attention_reference import cache_attention_reference
-from kernels.decode_attention import decode_attention, default_num_splits, workspace_shape
+from kernels.decode_attention import NewKV, decode_attention, default_num_splits, workspace_shape
+from kernels.qk_norm_rope import qk_norm_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = triton.knobs.runtime.interpret
@@ -124,6 +125,66 @@ def test_default_num_splits_is_a_function_of_shapes():
     assert default_num_splits(1, 4, 100) == 1
 
 
+def _fused_problem(B, Hq, Hkv, D, N, L, positions, slots, seed):
+    """Raw projections (views of one qkv buffer, as the model's), q/k norm weights, RoPE table and a random cache."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(B, 1, Hq + 2 * Hkv, D, generator=gen) * 3).bfloat16()
+    k_cache, v_cache = (torch.randn(N, L, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    q_w, k_w = ((1 + 0.3 * torch.randn(D, generator=gen)).bfloat16() for _ in range(2))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    qkv, k_cache, v_cache, q_w, k_w, inv_freq = (t.to(DEVICE) for t in (qkv, k_cache, v_cache, q_w, k_w, inv_freq))
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)
+    idx = (torch.tensor(slots, device=DEVICE), torch.tensor(positions, device=DEVICE).view(B, 1))
+    return q, k, v, k_cache, v_cache, NewKV(k, v, q_w, k_w, 1e-6, inv_freq), idx
+
+
+@pytest.mark.parametrize("case,num_splits", [("g2_L37", None), ("g2_L37", 3), ("g8_L100", 4), ("g16_L100", 2),
+                                             ("g2_L300", 1)])
+def test_fused_norm_rope_matches_the_two_launches(case, num_splits):
+    """new_kv: the q/k norm + RoPE and the cache write inside the attention launch, against qk_norm_rope then
+    decode_attention on the same raw projections. Rows on distinct slots (a decode batch's live sequences; the
+    engine's padding rows share the scratch slot, and their outputs are discarded): the cache comes out identical
+    (the new keys within one BF16 step, see the kernel's docstring; here none differed), and out within the
+    reference tolerance, of keys at position 0 (only the new key), mid-slot and at L - 1."""
+    B, Hq, Hkv, D, N, L, positions, _ = CASES[case]
+    positions = [0, L - 1, L // 2, 5, 17][:B]
+    slots = list(range(B))  # N = B + 1 or more in every case: the last slot untouched
+    q, k, v, k_cache, v_cache, new_kv, (slots, positions) = _fused_problem(B, Hq, Hkv, D, max(N, B + 1), L,
+                                                                              positions, slots, seed=len(case))
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    q_out = qk_norm_rope(q, k, v, new_kv.q_weight, new_kv.k_weight, new_kv.eps, new_kv.inv_freq, positions, slots,
+                         k_two, v_two)
+    want = cache_attention_reference(q_out, k_two, v_two, slots, positions)
+    out = decode_attention(q, k_cache, v_cache, slots, positions, num_splits=num_splits, new_kv=new_kv)
+    steps = (k_cache.view(torch.int16).int() - k_two.view(torch.int16).int()).abs()
+    assert torch.equal(v_cache, v_two) and steps.max() <= 1 and steps.float().mean() < 1e-3
+    _check(out, want)
+
+
+def test_fused_norm_rope_edges_and_errors():
+    """A negative position has no keys (out 0, nothing written); a position past L reads the whole slot and
+    writes nothing, as qk_norm_rope; the raw views' strides and the norm arguments are checked."""
+    q, k, v, k_cache, v_cache, new_kv, (slots, positions) = _fused_problem(3, 4, 2, 32, 4, 40, [-1, 45, 7],
+                                                                           [0, 1, 2], seed=3)
+    before = k_cache.clone()
+    out = decode_attention(q, k_cache, v_cache, slots, positions, num_splits=2, new_kv=new_kv)
+    assert (out[0] == 0).all()
+    changed = (k_cache != before).any(dim=(2, 3)).nonzero().tolist()
+    assert changed == [[2, 7]]  # slot 2, position 7: the only in-range new key
+    k_two = k_cache.clone()
+    q_out = qk_norm_rope(q, k, v, new_kv.q_weight, new_kv.k_weight, new_kv.eps, new_kv.inv_freq, positions, slots,
+                         k_two, v_cache.clone())
+    _check(out[1:], cache_attention_reference(q_out[1:], k_two, v_cache, slots[1:], positions[1:]))
+    with pytest.raises(ValueError, match="new_kv.k must be a bfloat16"):
+        decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(k=k.float()))
+    with pytest.raises(ValueError, match="new_kv.v's row stride"):
+        decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(v=v.contiguous()))
+    with pytest.raises(ValueError, match="new_kv.k_weight must have shape"):
+        decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(k_weight=new_kv.k_weight[:4]))
+    with pytest.raises(ValueError, match="q must be a bfloat16 view with contiguous heads"):
+        decode_attention(q.transpose(2, 3), k_cache, v_cache, slots, positions, new_kv=new_kv)
+
+
 def _bad(**kw):
     args = dict(zip(("q", "k", "v", "slots", "positions"),
                     _problem(2, 4, 2, 32, 3, 40, [3, 5], [0, 1]), strict=True))
@@ -165,3 +226,23 @@ def test_qwen3_shapes_on_gpu(B, Hq):
     ref = cache_attention_reference(*args)
     for num_splits in (None, 1, 16):
         _check(decode_attention(*args, num_splits=num_splits), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_fused_norm_rope_qwen3_30b_on_gpu(B):
+    """new_kv at the 30B shape (Hq 32, Hkv 4, D 128, L 4096), default and forced splits, against the two launches."""
+    L = 4096
+    gen = torch.Generator().manual_seed(B)
+    pos = torch.randint(0, L, (B,), generator=gen)
+    pos[0] = L - 1
+    slots = torch.randperm(B + 1, generator=gen)[:B].tolist()
+    for num_splits in (None, 1, 16):
+        q, k, v, k_cache, v_cache, new_kv, (s, p) = _fused_problem(B, 32, 4, 128, B + 1, L, pos.tolist(), slots, B)
+        k_two, v_two = k_cache.clone(), v_cache.clone()
+        q_out = qk_norm_rope(q, k, v, new_kv.q_weight, new_kv.k_weight, new_kv.eps, new_kv.inv_freq, p, s, k_two,
+                             v_two)
+        out = decode_attention(q, k_cache, v_cache, s, p, num_splits=num_splits, new_kv=new_kv)
+        steps = (k_cache.view(torch.int16).int() - k_two.view(torch.int16).int()).abs()
+        assert torch.equal(v_cache, v_two) and steps.max() <= 1
+        _check(out, cache_attention_reference(q_out, k_two, v_two, s, p))

@@ -13,11 +13,12 @@ lengths inside the batch, so a decode step can be captured in a CUDA graph per b
 
 Two backends ("dense", as they cover a layer's ops outside the MoE experts): "torch", the reference ops (math
 SDPA over the whole slot, masked: every row reads max_len keys), and "triton", fused kernels where a decode step
-would otherwise run dozens of tiny launches per layer: RMSNorm with its residual add (kernels/rmsnorm.py), q/k-norm
-+ RoPE + the cache write (kernels/qk_norm_rope.py, computed in FP32 and rounded once), and attention
-(kernels/prefill_attention.py for S > 1, kernels/decode_attention.py for S = 1: each row reads only its own keys,
-FP32 softmax and accumulation), and the projections of a decode step's few tokens (kernels/skinny_linear.py, see
-fused_linear).
+would otherwise run dozens of tiny launches per layer: RMSNorm with its residual add (kernels/rmsnorm.py, or inside
+the qkv projection's launch at a decode step's few tokens: Attention.add_norm_forward), q/k-norm + RoPE + the cache
+write (kernels/qk_norm_rope.py, computed in FP32 and rounded once; at S = 1 inside the decode attention launch),
+and attention (kernels/prefill_attention.py for S > 1, kernels/decode_attention.py for S = 1: each row reads only
+its own keys, FP32 softmax and accumulation), and the projections of a decode step's few tokens
+(kernels/skinny_linear.py, see fused_linear).
 
 The residual stream is passed as (block output, residual before it) so that the add and the next norm are one
 launch; the torch backend computes the sums in BF16 as Hugging Face does, the triton one keeps the stream in FP32.
@@ -32,6 +33,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm, skinny_linear
+from kernels.decode_attention import NewKV
+from kernels.skinny_linear import add_norm_linear
 from kernels.skinny_linear import max_tokens as skinny_max_tokens
 
 DENSE_BACKENDS = ("torch", "triton")
@@ -147,14 +150,32 @@ class Attention(nn.Module):
 
     def _fused(self, x, positions, slots, layer, cache, inv_freq):
         # The launchers refuse what they cannot run (FP32 activations, CPU tensors outside Triton's interpreter).
-        B, S, _ = x.shape
-        qkv = fused_linear(x, self.qkv_weight).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        return self._attend(fused_linear(x, self.qkv_weight), positions, slots, layer, cache, inv_freq)
+
+    def add_norm_forward(self, x, residual, norm: "RMSNorm", positions, slots, layer, cache, inv_freq):
+        """(attention of norm(x + residual), x + residual) on the triton backend, the sum in FP32; at a decode
+        step's few tokens the add and the norm run inside the qkv projection's launch (add_norm_linear)."""
+        B, S, H = x.shape
+        if B * S > skinny_max_tokens(self.qkv_weight.shape[0]):
+            h, residual = norm.add_norm(x, residual, fused=True)
+            return self._fused(h, positions, slots, layer, cache, inv_freq), residual
+        qkv, _, summed = add_norm_linear(x.view(B * S, H), residual.view(B * S, H), norm.weight, norm.eps,
+                                         self.qkv_weight)
+        return self._attend(qkv, positions, slots, layer, cache, inv_freq), summed.view(B, S, H)
+
+    def _attend(self, qkv, positions, slots, layer, cache, inv_freq):
+        """q/k-norm + RoPE + the cache write, attention and o_proj, from the projected qkv [B, S, q + k + v rows]."""
+        B, S = positions.shape
+        qkv = qkv.view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # strided views
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions, slots,
-                         k_cache, v_cache)
-        attend = decode_attention if S == 1 else prefill_attention
-        out = attend(q, k_cache, v_cache, slots, positions)
+        if S == 1:  # the decode kernel normalises, rotates and caches q and k itself: one launch fewer
+            out = decode_attention(q, k_cache, v_cache, slots, positions, new_kv=NewKV(
+                k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq))
+        else:
+            q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions,
+                             slots, k_cache, v_cache)
+            out = prefill_attention(q, k_cache, v_cache, slots, positions)
         return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight)
 
 

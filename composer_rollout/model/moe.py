@@ -27,6 +27,8 @@ from kernels import (
     router_topk_reference,
     warp_decode_moe,
 )
+from kernels.router_gate_topk import MAX_T_NORM, router_gate_topk
+from kernels.skinny_linear import MAX_T as ROUTER_MAX_T
 
 MoEPath = Callable[..., torch.Tensor]
 
@@ -87,16 +89,36 @@ class SparseMoE(nn.Module):
             num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device="meta")
         self.w2: torch.Tensor | MXFP8Tensor = torch.empty(
             num_experts, hidden_size, intermediate_size, dtype=dtype, device="meta")
+        # The fused decode router's arrival counter (kernels/router_gate_topk.py): one per block, zero between launches.
+        self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor:
         """x [..., H]; `capture` (composer_rollout.engine.capture.ExpertCapture, or None) records this layer's
         expert ids when the engine asks for them."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        # The fused router takes FP32 logits (Hugging Face's are BF16): a near-tie between experts is not decided
-        # by a rounding.
-        logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
-                  else F.linear(flat, self.gate.weight))
-        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router,
-                             None if capture is None else capture.layer(layer))
+        cap = None if capture is None else capture.layer(layer)
+        if self.fused_router and flat.shape[0] <= ROUTER_MAX_T:
+            weights, ids = router_gate_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob,
+                                            self.router_counter, capture_out=cap)[:2]
+        else:
+            # The fused router takes FP32 logits (Hugging Face's are BF16): a near-tie between experts is not
+            # decided by a rounding.
+            logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
+                      else F.linear(flat, self.gate.weight))
+            weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm, layer: int = 0, capture=None):
+        """(the block's output for norm(x + residual), x + residual) on the fused path, the sum in FP32 (`norm` the
+        layer's post-attention RMSNorm). Up to MAX_T_NORM tokens the add and the norm run in the router's launch."""
+        shape = x.shape
+        if x.numel() // shape[-1] > MAX_T_NORM:
+            h, residual = norm.add_norm(x, residual, fused=True)
+            return self(h, layer, capture), residual
+        flat = x.reshape(-1, shape[-1])
+        routing = router_gate_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob, self.router_counter,
+                                   capture_out=None if capture is None else capture.layer(layer),
+                                   add_norm=(residual.reshape(flat.shape), norm.weight, norm.eps))
+        out = self.moe_fn(routing.normed, routing.weights, routing.ids, self.w13, self.w2)
+        return out.reshape(shape), routing.residual.view(shape)

@@ -41,11 +41,21 @@ class DecoderLayer(nn.Module):
         self.mlp.fused_router = self.fused
 
     def forward(self, x, residual, positions, slots, layer, cache, inv_freq, capture=None):
-        """(the previous block's output, the residual stream before it; None at layer 0) -> the same pair."""
-        h, residual = self.input_layernorm.add_norm(x, residual, self.fused)
-        h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
-        h, residual = self.post_attention_layernorm.add_norm(h, residual, self.fused)
-        return self.mlp(h, layer, capture), residual
+        """(the previous block's output, the residual stream before it; None at layer 0) -> the same pair. The
+        triton backend runs each add + norm inside the launch after it where it can (the qkv projection's, the
+        router's): at batch 1 every launch saved is ~3 µs of a ~60 µs layer."""
+        if not self.fused:
+            h, residual = self.input_layernorm.add_norm(x, residual, False)
+            h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
+            h, residual = self.post_attention_layernorm.add_norm(h, residual, False)
+            return self.mlp(h, layer, capture), residual
+        if residual is None:  # layer 0: the stream starts as the widened embedding, nothing to add
+            h, residual = self.input_layernorm.add_norm(x, None, True)
+            h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
+        else:
+            h, residual = self.self_attn.add_norm_forward(x, residual, self.input_layernorm, positions, slots, layer,
+                                                          cache, inv_freq)
+        return self.mlp.add_norm_forward(h, residual, self.post_attention_layernorm, layer, capture)
 
 
 class Qwen3MoE(nn.Module):
