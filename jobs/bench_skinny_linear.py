@@ -29,7 +29,13 @@ import torch.nn.functional as F
 import triton
 
 from jobs.bench_moe import read_ceiling_tbs, time_graph
-from kernels.skinny_linear import _config, _skinny_linear_kernel, kernel_constexprs, skinny_linear, skinny_linear_reference
+from kernels.skinny_linear import (
+    _config,
+    _skinny_linear_kernel,
+    kernel_constexprs,
+    skinny_linear,
+    skinny_linear_reference,
+)
 
 SHAPES = {
     "qwen3-30b-a3b": {"qkv": (5120, 2048, torch.bfloat16), "o_proj": (2048, 4096, torch.bfloat16),
