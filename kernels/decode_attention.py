@@ -88,16 +88,15 @@ def _row_chunk(pos_ptr, b, L, NS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_rows(x_ptrs, w_ptr, d, cos, ssin, eps, mask, D: tl.constexpr):
-    """kernels/qk_norm_rope.py's per-head RMSNorm * weight and RoPE, on whole head rows [H, D] (x_ptrs: the rows'
-    element pointers): rotate_half pairs element i with i +- D/2, loaded a second time from the same (L1/L2-hot)
-    row, and ssin carries the sign (-sin for the first half). FP32, rounded once to BF16."""
-    pd = (d + D // 2) % D
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptrs + (pd - d)[None, :], mask=mask, other=0.0).to(tl.float32)
+def _norm_rope_rows(x, xp, w, wp, cos, ssin, eps, D: tl.constexpr):
+    """kernels/qk_norm_rope.py's per-head RMSNorm * weight and RoPE on whole head rows x [H, D]: rotate_half pairs
+    element i with i +- D/2, given as xp (the same rows loaded at the partner offsets) with its weights wp, and
+    ssin carries the sign (-sin for the first half). FP32, rounded once to BF16."""
+    x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)[:, None]  # 1 / D exact (a power of two)
-    y = x * r * tl.load(w_ptr + d).to(tl.float32)[None, :]
-    yp = xp * r * tl.load(w_ptr + pd).to(tl.float32)[None, :]
+    y = x * r * w.to(tl.float32)[None, :]
+    yp = xp * r * wp.to(tl.float32)[None, :]
     return _to_bf16(y * cos + yp * ssin)
 
 
@@ -132,13 +131,22 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
     v_base = v_ptr + kv_off
     cache_end = end
     if ROPE:  # this step's raw q, k, v (module docstring, "Fused q/k norm + RoPE")
+        # Every load first, so that one round trip covers them all.
+        pd = (d + D // 2) % D
+        k_ptrs = kn_ptr + b * kv_sb + h * D + d[None, :]
+        qr = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
+        qp = tl.load(q_ptrs + (pd - d)[None, :], mask=g_ok[:, None], other=0.0)
+        kr = tl.load(k_ptrs)
+        kp = tl.load(k_ptrs + (pd - d)[None, :])
+        v_new = tl.load(vn_ptr + b * kv_sb + h * D + d[None, :])
+        qw, qwp, kw, kwp = tl.load(qw_ptr + d), tl.load(qw_ptr + pd), tl.load(kw_ptr + d), tl.load(kw_ptr + pd)
+        inv_freq = tl.load(inv_freq_ptr + d % (D // 2))
         pos = tl.load(pos_ptr + b).to(tl.int32)
-        angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (D // 2))
+        angle = pos.to(tl.float32) * inv_freq
         cos = tl.cos(angle)[None, :]
         ssin = tl.where(d < D // 2, -tl.sin(angle), tl.sin(angle))[None, :]
-        q = _norm_rope_rows(q_ptrs, qw_ptr, d, cos, ssin, eps, g_ok[:, None], D).to(DOT)
-        k_new = _norm_rope_rows(kn_ptr + b * kv_sb + h * D + d[None, :], kw_ptr, d, cos, ssin, eps, d[None, :] < D, D)
-        v_new = tl.load(vn_ptr + b * kv_sb + h * D + d[None, :])
+        q = _norm_rope_rows(qr, qp, qw, qwp, cos, ssin, eps, D).to(DOT)
+        k_new = _norm_rope_rows(kr, kp, kw, kwp, cos, ssin, eps, D)
         owner = (start <= pos) & (pos < end)  # the one program whose keys include the new one
         cache_end = tl.minimum(end, pos)
         if owner & (slot >= 0) & (slot < N):
