@@ -61,22 +61,37 @@ _SMS = 132  # H200
 _MIN_CHUNK_BLOCKS = 1
 _PROGRAMS_PER_SM = 4
 _LOG2E = 1.4426950408889634
+# new_kv pays while the programs it adds norm + RoPE work to fit about two per SM (docs/perf.md: B = 1 and 64
+# faster fused, B = 8, 512 programs, slower)
+_NEW_KV_MAX_PROGRAMS = 2 * _SMS
+
+
+@triton.jit
+def _load_block(k_base, v_base, j, end, d, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K and V rows of keys [j, j + BLOCK_N) clipped to `end` (masked keys read as 0), and the mask."""
+    kpos = j + tl.arange(0, BLOCK_N)
+    k_ok = kpos < end
+    offs = kpos[:, None] * (HKV * D) + d[None, :]
+    return tl.load(k_base + offs, mask=k_ok[:, None], other=0.0), tl.load(v_base + offs, mask=k_ok[:, None],
+                                                                            other=0.0), k_ok
+
+
+@triton.jit
+def _attend_block(q, k, v, k_ok, m_i, l_i, acc, qk_scale, DOT: tl.constexpr):
+    """One loaded block of keys (at least one unmasked) into the online softmax (m_i, l_i, acc)."""
+    s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k.to(DOT))) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has at least one key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
 
 
 @triton.jit
 def _step(q, k_base, v_base, j, end, d, m_i, l_i, acc, qk_scale, HKV: tl.constexpr, D: tl.constexpr,
           BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     """One block of keys [j, j + BLOCK_N) clipped to `end` into the online softmax (m_i, l_i, acc)."""
-    kpos = j + tl.arange(0, BLOCK_N)
-    k_ok = kpos < end
-    offs = kpos[:, None] * (HKV * D) + d[None, :]
-    k = tl.load(k_base + offs, mask=k_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs, mask=k_ok[:, None], other=0.0)
-    s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k.to(DOT))) * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has at least one key
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+    k, v, k_ok = _load_block(k_base, v_base, j, end, d, HKV, D, BLOCK_N)
+    return _attend_block(q, k, v, k_ok, m_i, l_i, acc, qk_scale, DOT)
 
 
 @triton.jit
@@ -142,13 +157,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
         qw, qwp, kw, kwp = tl.load(qw_ptr + d), tl.load(qw_ptr + pd), tl.load(kw_ptr + d), tl.load(kw_ptr + pd)
         inv_freq = tl.load(inv_freq_ptr + d % (D // 2))
         pos = tl.load(pos_ptr + b).to(tl.int32)
+        cache_end = tl.minimum(end, pos)
+        # The first key block's copies go out with these loads, not after the math below.
+        k0, v0, ok0 = _load_block(k_base, v_base, start, cache_end, d, HKV, D, BLOCK_N)
         angle = pos.to(tl.float32) * inv_freq
         cos = tl.cos(angle)[None, :]
         ssin = tl.where(d < D // 2, -tl.sin(angle), tl.sin(angle))[None, :]
         q = _norm_rope_rows(qr, qp, qw, qwp, cos, ssin, eps, D).to(DOT)
         k_new = _norm_rope_rows(kr, kp, kw, kwp, cos, ssin, eps, D)
         owner = (start <= pos) & (pos < end)  # the one program whose keys include the new one
-        cache_end = tl.minimum(end, pos)
         if owner & (slot >= 0) & (slot < N):
             tl.store(k_base + pos * (HKV * D) + d[None, :], k_new)
             tl.store(v_base + pos * (HKV * D) + d[None, :], v_new)
@@ -157,11 +174,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    first = start
+    if ROPE:
+        if start < cache_end:
+            m_i, l_i, acc = _attend_block(q, k0, v0, ok0, m_i, l_i, acc, qk_scale, DOT)
+        first = start + BLOCK_N
     if PIPELINE:  # see the module docstring; 2 stages: 38 KB of shared memory per program at D = 128
-        for j in tl.range(start, cache_end, BLOCK_N, num_stages=2):
+        for j in tl.range(first, cache_end, BLOCK_N, num_stages=2):
             m_i, l_i, acc = _step(q, k_base, v_base, j, cache_end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
     else:
-        j = start
+        j = first
         while j < cache_end:
             m_i, l_i, acc = _step(q, k_base, v_base, j, cache_end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
             j += BLOCK_N
@@ -235,6 +257,14 @@ def default_num_splits(B: int, Hkv: int, L: int) -> int:
     if B * Hkv >= _SMS:  # measured: 3 splits at B = 64 took 54 µs against 42 µs for 1 (c = 1024)
         return 1
     return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * _SMS, B * Hkv), L // (_MIN_CHUNK_BLOCKS * _BLOCK_N)))
+
+
+def new_kv_pays(B: int, Hkv: int, L: int) -> bool:
+    """Whether decode_attention(new_kv=...) beats qk_norm_rope + decode_attention for this batch: every program
+    repeats its query heads' norm + RoPE, which is free while the grid is about one wave of two programs per SM
+    and costs more than the saved launch beyond (measured on the H200, 30B, c = 1k: -90 µs per step at B = 1,
+    +80 at B = 8, -140 at B = 64)."""
+    return B * Hkv * default_num_splits(B, Hkv, L) <= _NEW_KV_MAX_PROGRAMS
 
 
 def workspace_shape(B: int, Hq: int, D: int, num_splits: int) -> tuple[int, int, int, int]:

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from kernels.attention_reference import cache_attention_reference
-from kernels.decode_attention import NewKV, decode_attention, default_num_splits, workspace_shape
+from kernels.decode_attention import NewKV, decode_attention, default_num_splits, new_kv_pays, workspace_shape
 from kernels.qk_norm_rope import qk_norm_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,6 +183,13 @@ def test_fused_norm_rope_edges_and_errors():
         decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(k_weight=new_kv.k_weight[:4]))
     with pytest.raises(ValueError, match="q must be a bfloat16 view with contiguous heads"):
         decode_attention(q.transpose(2, 3), k_cache, v_cache, slots, positions, new_kv=new_kv)
+
+
+def test_new_kv_pays_up_to_about_two_programs_per_sm():
+    assert new_kv_pays(1, 4, 1025) and new_kv_pays(4, 4, 1025)  # 64 and 256 programs (16 splits)
+    assert not new_kv_pays(8, 4, 1025) and not new_kv_pays(32, 4, 1025)  # 512 and 640
+    assert new_kv_pays(64, 4, 1025) and not new_kv_pays(128, 4, 1025)  # one split: 256 and 512
+    assert not new_kv_pays(1, 4, 16385)  # 132 splits of a long slot
 
 
 def _bad(**kw):

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm, skinny_linear
-from kernels.decode_attention import NewKV
+from kernels.decode_attention import NewKV, new_kv_pays
 from kernels.skinny_linear import add_norm_linear
 from kernels.skinny_linear import max_tokens as skinny_max_tokens
 
@@ -169,13 +169,15 @@ class Attention(nn.Module):
         qkv = qkv.view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # strided views
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        if S == 1:  # the decode kernel normalises, rotates and caches q and k itself: one launch fewer
+        # A decode step's attention kernel can normalise, rotate and cache q and k itself (one launch fewer) where
+        # that pays for the batch's grid.
+        if S == 1 and new_kv_pays(B, self.num_kv_heads, k_cache.shape[1]):
             out = decode_attention(q, k_cache, v_cache, slots, positions, new_kv=NewKV(
                 k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq))
         else:
             q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions,
                              slots, k_cache, v_cache)
-            out = prefill_attention(q, k_cache, v_cache, slots, positions)
+            out = (decode_attention if S == 1 else prefill_attention)(q, k_cache, v_cache, slots, positions)
         return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight)
 
 
