@@ -39,6 +39,9 @@ Design.
   cache only below pos, and merges the new key from registers as one more online-softmax step. Same math as
   qk_norm_rope (FP32 from the BF16 inputs, rounded once to BF16), except that each head's sum of squares runs
   over the whole row rather than two halves, so a value on a rounding boundary may land one BF16 step apart.
+  Rows must hold distinct slots (a decode batch's live sequences; padding rows on the shared scratch slot race
+  there, as in qk_norm_rope, and their outputs are discarded): a row never sees another row's new key. The
+  layer takes this path only where new_kv_pays (every program repeats the query heads' norm + RoPE).
 * Keys past a row's length are masked at the load (read as 0, their scores set to -inf): whatever the cache
   holds there, NaN included, never reaches the output. A row with positions[b] < 0 has no keys: out is 0.
 """
