@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from linear_data import linear_data
 
-from kernels.skinny_linear import MAX_T, Config, _config, skinny_linear, skinny_linear_reference
+from kernels.skinny_linear import (
+    MAX_T,
+    Config,
+    _config,
+    add_norm_linear,
+    add_norm_linear_reference,
+    skinny_linear,
+    skinny_linear_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -127,6 +135,40 @@ def test_config_at_qwen3_shapes():
     assert _config(1, 64, 16384) == Config(1, 8192, 8)  # two chunks
 
 
+@pytest.mark.parametrize("T, N, K", [(1, 37, 48), (3, 130, 208), (8, 37, 1000)])
+def test_add_norm_linear_matches_the_two_launches(T, N, K):
+    """The norm prologue against rms_norm_reference (FP32 residual) then the product: the sum exact, the normed row
+    within one BF16 step (a value on a rounding boundary may round the other way: the sums of squares run in
+    another order), and the product of the kernel's own normed row within the FP32 bound. x is a strided view."""
+    x, w = _data(T, N, K, seed=T + N)
+    g = torch.Generator().manual_seed(K)
+    wide = torch.zeros(T, K + 24, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 8:8 + K] = x
+    residual = (torch.randn(T, K, generator=g) * 5).to(DEVICE)
+    norm_weight = (1 + 0.3 * torch.randn(K, generator=g)).bfloat16().to(DEVICE)
+    out, normed, summed = add_norm_linear(wide[:, 8:8 + K], residual, norm_weight, 1e-6, w, out_dtype=torch.float32)
+    _, want_normed, want_summed = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w)
+    assert torch.equal(summed, want_summed)
+    assert _steps(normed, want_normed).max() <= 1 and _steps(normed, want_normed).float().mean() < 1e-3
+    exact, _, bound = _exact(normed, w)
+    assert ((out.double() - exact).abs() <= bound).all()
+    bf16 = add_norm_linear(x, residual, norm_weight, 1e-6, w)[0]
+    assert torch.equal(bf16, out.bfloat16())
+
+
+def test_add_norm_linear_refuses_bad_norm_arguments():
+    x, w = _data(2, 37, 48)
+    res, nw = torch.zeros(2, 48, device=DEVICE), torch.ones(48, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(TypeError, match="residual must be a torch.float32"):
+        add_norm_linear(x, res.bfloat16(), nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \(48,\)"):
+        add_norm_linear(x, res, nw[:40], 1e-6, w)
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        add_norm_linear(x, res, nw, -1.0, w)
+    with pytest.raises(ValueError, match=r"in <= 64 chunks \(one chunk with the norm\)"):
+        add_norm_linear(x, res, nw, 1e-6, w, config=Config(4, 16, 1))
+
+
 _X = torch.ones(3, 48, dtype=torch.bfloat16, device=DEVICE)
 _W = torch.ones(37, 48, dtype=torch.bfloat16, device=DEVICE)
 _BAD = [
@@ -170,3 +212,18 @@ def test_qwen3_shapes_on_gpu(T, name, N, K, out_dtype):
         assert (F.linear(x, w).double() - exact).abs().max() > 100 * (got32.double() - exact).abs().max()
     got = skinny_linear(x, w, out_dtype=out_dtype)
     assert torch.equal(got, got16 if out_dtype == torch.bfloat16 else got32)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_add_norm_linear_qkv_shape_on_gpu(T):
+    """The norm prologue at the 30B qkv shape (N 5120, K 2048), where the decoder layer uses it (T <= 2; 8 is the
+    router's limit): as test_add_norm_linear_matches_the_two_launches."""
+    x, w = _data(T, 5120, 2048, seed=T)
+    residual = torch.randn(T, 2048, device=DEVICE) * 5
+    norm_weight = (1 + 0.3 * torch.randn(2048, device=DEVICE)).bfloat16()
+    out, normed, summed = add_norm_linear(x, residual, norm_weight, 1e-6, w, out_dtype=torch.float32)
+    _, want_normed, want_summed = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w)
+    assert torch.equal(summed, want_summed) and _steps(normed, want_normed).max() <= 1
+    exact, _, bound = _exact(normed, w)
+    assert ((out.double() - exact).abs() <= bound).all()
