@@ -31,8 +31,8 @@ Design.
   unused (the large-batch regime, where B * Hkv alone fills the GPU).
 * Offsets into the cache are int64 at the slot (N * L * Hkv * D passes 2^31 at 128 slots x 40960 x 4 x 128);
   within a slot they stay int32 (the launcher checks L * Hkv * D < 2^31).
-* Fused q/k norm + RoPE (new_kv): at a decode step the separate kernels/qk_norm_rope.py launch costs ~3-4 µs
-  per layer of a ~55 µs batch-1 layer for a few KB of work, so the split kernel can take the projections raw.
+* Fused q/k norm + RoPE (new_kv): at a decode step the separate kernels/qk_norm_rope.py launch costs ~3.3 µs
+  per layer of a ~50 µs batch-1 layer for a few KB of work, so the split kernel can take the projections raw.
   Each program normalises and rotates its G query heads itself (every split of a row repeats it: G * D values
   and D / 2 sincos, against a loop over the row's keys) and its kv head's new key; the program whose key range
   holds the new position (exactly one: start <= pos < end) writes the new k and v rows into the cache, reads the

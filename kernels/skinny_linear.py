@@ -30,7 +30,7 @@ Tails: rows past N and tokens past T load the last valid one (no mask in the loa
 is not a power of two masks the padded columns (constant over each 8 elements, so the loads stay 16-byte).
 Norm prologue (add_norm_linear): x is the previous block's output and the input is rmsnorm(x + residual), the
 decoder layer's add + norm (kernels/rmsnorm.py's FP32-residual formula). Every program computes it from the
-whole row (K <= BLOCK_K: one chunk), 4-12 KB per token from L2, instead of a separate ~3-4 µs launch; program 0
+whole row (K <= BLOCK_K: one chunk), 4-12 KB per token from L2, instead of a separate launch; program 0
 stores the FP32 sum and the normed BF16 row for the launches after. It holds every token's row at once, so the
 launch spreads them over more warps as T grows (_config).
 Numerics: BF16 x BF16 products are exact in FP32; the sum is FP32 in a fixed order (deterministic, no atomics);

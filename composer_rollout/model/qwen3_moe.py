@@ -43,7 +43,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, slots, layer, cache, inv_freq, capture=None):
         """(the previous block's output, the residual stream before it; None at layer 0) -> the same pair. The
         triton backend runs each add + norm inside the launch after it where it can (the qkv projection's, the
-        router's): at batch 1 every launch saved is ~3 µs of a ~60 µs layer."""
+        router's): at batch 1 each small launch is a latency chain of a few µs (docs/perf.md)."""
         if not self.fused:
             h, residual = self.input_layernorm.add_norm(x, residual, False)
             h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
