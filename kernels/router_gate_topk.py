@@ -3,9 +3,10 @@ top-k, renormalisation and the capture of the expert ids.
 
 Why: at batch 1 each small launch of a CUDA-graph decode step is a latency chain of a few µs whatever its bytes,
 and the Triton dense path spent three on this (rms_norm, the gate, router_topk: ~8.6 µs per layer on the H200);
-this launch measured 4.69 µs (docs/perf.md, "Fewer launches per decode layer"). The gate's bytes (0.5 MB at H 2048, E 128) want many SMs, the top-k wants all E logits of a token in one program, so:
-a grid of skinny_linear programs (kernels/skinny_linear.skinny_rows: BLOCK_N gate rows each, all T tokens, FP32
-sums; with add_norm, the norm computed in every program and stored by program 0) writes FP32 logits to a scratch
+this launch measured 4.69 µs (docs/perf.md, "Fewer launches per decode layer"). The gate's bytes (0.5 MB at
+H 2048, E 128) want many SMs, the top-k wants all E logits of a token in one program, so: a grid of
+skinny_linear programs (kernels/skinny_linear.skinny_rows: BLOCK_N gate rows each, all T tokens, FP32 sums; with
+add_norm, the norm computed in every program and stored by program 0) writes FP32 logits to a scratch
 [T, E]; each program then bumps a counter (atomic, acq_rel at GPU scope, after a CTA barrier so the whole
 program's stores precede it), and the program that arrives last runs router_topk's softmax + bitonic top-k
 (kernels/router_topk.softmax_topk_store) over the T rows and resets the counter to zero for the next launch. The
