@@ -1,7 +1,7 @@
 """Benchmark the MoE kernel paths on the GPU (H200): µs per layer, bytes, TB/s, TFLOP/s, % of roofline, accuracy.
 
-Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`,
-`expert` (kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
+Paths (--paths, run side by side at each T): warp decode's schedules `auto`, `pair`, `expert_gate_up`, `expert`
+(kernels/warp_decode_moe.py, rows "warp:<schedule>"); `expert_centric` (kernels/expert_centric_moe.py, with its
 tuned tiles and dequant "auto": FP8 dots for MXFP8 weights up to T = 1024); `expert_centric_bf16` (BF16 dots at
 every T); `kernel_auto` (the model's kernel=auto: warp decode up to the measured crossover T, expert-centric
 above); `expert_centric_f16` (its dequant "f16_rel": FP16 dots, kernels/mx_tiles.py); `expert_centric_fp8` (its

@@ -33,9 +33,8 @@ from kernels.mxfp8 import as_dense
 
 
 @triton.jit
-def expert_rows(d_ptr, e, nb, live, H: tl.constexpr, HP: tl.constexpr, I: tl.constexpr, BN: tl.constexpr):
-    """Expert e's gate rows n = nb * BN .. + BN and up rows I + n over all of H (loads nothing unless `live`): the
-    weights as FP32 [BN, 2, G, 32] (G = HP / 32 groups of 32), the rows [BN, 2] (for row_scales), n [BN] and which
+def _expert_rows(d_ptr, e, nb, H: tl.constexpr, HP: tl.constexpr, I: tl.constexpr, BN: tl.constexpr):
+    """Expert e's gate rows n = nb * BN .. + BN and up rows I + n over all of H: the weights as FP32 [BN, 2, G, 32] (G = HP / 32 groups of 32), the rows [BN, 2] (for _row_scales), n [BN] and which
     n exist. Gate and up side by side make the scales one [BN, 2, G] byte tile, 4 bytes per thread at the shipped
     tiles: narrower per-thread loads are not pipelined (they would wait in the loop, once per item)."""
     n = nb * BN + tl.arange(0, BN)
@@ -43,33 +42,33 @@ def expert_rows(d_ptr, e, nb, live, H: tl.constexpr, HP: tl.constexpr, I: tl.con
     kk = tl.arange(0, HP)
     k_ok = tail_mask(kk, H, HP)  # constant when H is a power of two (HP == H)
     row = e.to(tl.int64) * 2 * I + n[:, None] + I * tl.arange(0, 2)[None, :]
-    m = (n_ok[:, None, None] & k_ok[None, None, :]) & live
+    m = n_ok[:, None, None] & k_ok[None, None, :]
     w = tl.load(d_ptr + row[:, :, None] * H + kk[None, None, :], mask=m, other=0.0).to(tl.float32)
     return tl.reshape(w, (BN, 2, HP // 32, 32)), row, n, n_ok
 
 
 @triton.jit
-def row_scales(s_ptr, row, n_ok, live, H: tl.constexpr, HP: tl.constexpr, IS_MX: tl.constexpr):
-    """The factor of each 32-group of expert_rows' rows, [BN, 2, G]: its E8M0 scale, or 1 for BF16 weights."""
+def _row_scales(s_ptr, row, n_ok, H: tl.constexpr, HP: tl.constexpr, IS_MX: tl.constexpr):
+    """The factor of each 32-group of _expert_rows' rows, [BN, 2, G]: its E8M0 scale, or 1 for BF16 weights."""
     G: tl.constexpr = HP // 32
     if IS_MX:
         sg = tl.arange(0, G)
-        sm = (n_ok[:, None, None] & (sg < H // 32)[None, None, :]) & live
+        sm = n_ok[:, None, None] & (sg < H // 32)[None, None, :]
         return e8m0_to_f32(tl.load(s_ptr + row[:, :, None] * (H // 32) + sg[None, None, :], mask=sm, other=127))
     return tl.full([row.shape[0], 2, G], 1.0, tl.float32)
 
 
 @triton.jit
-def hidden_row(x_ptr, t, ok, H: tl.constexpr, HP: tl.constexpr):
-    """Token t's hidden row as FP32 [1, 1, G, 32], broadcastable against expert_rows' weights (zeros unless ok)."""
+def _hidden_row(x_ptr, t, H: tl.constexpr, HP: tl.constexpr):
+    """Token t's hidden row as FP32 [1, 1, G, 32], broadcastable against _expert_rows' weights."""
     kk = tl.arange(0, HP)
-    x = tl.load(x_ptr + t * H + kk, mask=tail_mask(kk, H, HP) & ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * H + kk, mask=tail_mask(kk, H, HP), other=0.0).to(tl.float32)
     return tl.reshape(x, (1, 1, HP // 32, 32))
 
 
 @triton.jit
-def gate_up_sums(w, f, x):
-    """One token's gate and up sums [BN] each, from expert_rows' w, row_scales' f and hidden_row's x: each 32-element
+def _gate_up_sums(w, f, x):
+    """One token's gate and up sums [BN] each, from _expert_rows' w, _row_scales' f and _hidden_row's x: each 32-element
     partial sum times its group's factor, then the groups summed."""
     return tl.split(tl.sum(tl.sum(w * x, axis=3) * f, axis=2))
 
@@ -79,9 +78,9 @@ def _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H: tl.
                   I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr):
     p = item % P
     e = tl.load(ids_ptr + p)
-    w, row, n, n_ok = expert_rows(d_ptr, e, item // P, True, H, HP, I, BN)
-    x = hidden_row(x_ptr, p // K_TOP, True, H, HP)
-    g, u = gate_up_sums(w, row_scales(s_ptr, row, n_ok, True, H, HP, IS_MX), x)
+    w, row, n, n_ok = _expert_rows(d_ptr, e, item // P, H, HP, I, BN)
+    x = _hidden_row(x_ptr, p // K_TOP, H, HP)
+    g, u = _gate_up_sums(w, _row_scales(s_ptr, row, n_ok, H, HP, IS_MX), x)
     rw = tl.load(rw_ptr + p).to(tl.float32)
     tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok)
 
