@@ -55,7 +55,7 @@ import triton.language as tl
 from kernels.attention_reference import check_attention_args
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import dot_dtype, pdl_launch
-from kernels.qk_norm_rope import _to_bf16
+from kernels.qk_norm_rope import check_head_view, to_bf16
 
 _BLOCK_N = 64  # keys per loop step: K and V tiles of 16 KB each at D = 128, loaded together
 _SMS = 132  # H200
@@ -115,7 +115,7 @@ def _norm_rope_rows(x, xp, w, wp, cos, ssin, eps, D: tl.constexpr):
     r = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)[:, None]  # 1 / D exact (a power of two)
     y = x * r * w.to(tl.float32)[None, :]
     yp = xp * r * wp.to(tl.float32)[None, :]
-    return _to_bf16(y * cos + yp * ssin)
+    return to_bf16(y * cos + yp * ssin)
 
 
 @triton.jit
@@ -345,14 +345,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-
 def _check_new_kv(new_kv: NewKV, B: int, Hkv: int, D: int, device) -> None:
     for name, t in (("new_kv.k", new_kv.k), ("new_kv.v", new_kv.v)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or tuple(t.shape) != (B, 1, Hkv, D):
-            raise ValueError(f"{name} must be a bfloat16 [B, 1, Hkv, D] = {(B, 1, Hkv, D)} tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        if t.stride()[2:] != (D, 1) or t.device != device:
-            raise ValueError(f"{name} must have contiguous heads on {device}, got strides {t.stride()} on {t.device}")
+        check_head_view(name, t, (B, 1, Hkv, D), device)
+        if t.stride(2) != D:  # the kernel addresses head h of a row at h * D
+            raise ValueError(f"{name} must have contiguous heads, got strides {t.stride()}")
     if new_kv.v.stride(0) != new_kv.k.stride(0):
         raise ValueError(f"new_kv.v's row stride {new_kv.v.stride(0)} differs from new_kv.k's {new_kv.k.stride(0)}")
     check_tensor("new_kv.q_weight", new_kv.q_weight, torch.bfloat16, (D,), device)

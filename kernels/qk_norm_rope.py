@@ -23,7 +23,7 @@ Design.
   elementwise on the halves, with no gather or shuffle.
 * Numerics: everything in FP32 from the BF16 inputs (the norm, the weight, the rotation with FP32 cos/sin of
   position * inv_freq, that product rounded to FP32 as torch's `positions.float() * inv_freq` is), rounded once to
-  BF16 by explicit round-to-nearest-even (`_to_bf16`: Triton's interpreter truncates on a plain cast, so tests on
+  BF16 by explicit round-to-nearest-even (`to_bf16`: Triton's interpreter truncates on a plain cast, so tests on
   CPU would see a different rounding). Hugging Face rounds to BF16 after the norm, after the weight, for cos/sin
   and after each RoPE multiply and add; this is closer to the FP32 function. tl.cos/tl.sin lower to libdevice's
   precise cosf/sinf on sm_90 (not cos.approx, which loses accuracy at angles of thousands of radians).
@@ -43,7 +43,7 @@ from kernels.mx_tiles import pdl_launch
 
 
 @triton.jit
-def _to_bf16(x):
+def to_bf16(x):
     # fp32 -> bf16, round to nearest even, identical on the GPU and in the interpreter (NaNs with a quiet bit stay NaN)
     bits = x.to(tl.uint32, bitcast=True)
     bits += 0x7FFF + ((bits >> 16) & 1)
@@ -99,20 +99,20 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_
 
     o1, o2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, D)
     q_dst = q_out_ptr + (t * HQ + hq)[:, None] * D + half[None, :]
-    tl.store(q_dst, _to_bf16(o1), mask=q_ok)
-    tl.store(q_dst + D // 2, _to_bf16(o2), mask=q_ok)
+    tl.store(q_dst, to_bf16(o1), mask=q_ok)
+    tl.store(q_dst + D // 2, to_bf16(o2), mask=q_ok)
 
     ok = (pos >= 0) & (pos < L) & (slot >= 0) & (slot < N)
     # Clamped as well as masked: no out-of-cache address is even formed.
     row = tl.where(ok, slot, 0).to(tl.int64) * L * (HKV * D) + tl.where(ok, pos, 0).to(tl.int32) * (HKV * D)
     o1, o2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, D)
     k_dst = k_cache_ptr + row + hk[:, None] * D + half[None, :]
-    tl.store(k_dst, _to_bf16(o1), mask=k_ok & ok)
-    tl.store(k_dst + D // 2, _to_bf16(o2), mask=k_ok & ok)
+    tl.store(k_dst, to_bf16(o1), mask=k_ok & ok)
+    tl.store(k_dst + D // 2, to_bf16(o2), mask=k_ok & ok)
     tl.store(v_cache_ptr + row + hk[:, None] * D + d[None, :], v, mask=k_ok & ok)
 
 
-def _check_view(name: str, x, shape: tuple, device) -> None:
+def check_head_view(name: str, x, shape: tuple, device) -> None:
     """A bf16 activation view: shape, unit stride in D, int32-addressable."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         raise TypeError(f"{name} must be a torch.bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
@@ -143,9 +143,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
         raise ValueError(f"q is on {dev}: qk_norm_rope needs CUDA tensors (or Triton's interpreter)")
     if D < 2 or D & (D - 1):
         raise ValueError(f"q's head dim D = {D} must be a power of two (RoPE rotates halves of D/2)")
-    _check_view("q", q, (B, S, Hq, D), dev)
-    _check_view("k", k, (B, S, Hkv, D), dev)
-    _check_view("v", v, (B, S, Hkv, D), dev)
+    check_head_view("q", q, (B, S, Hq, D), dev)
+    check_head_view("k", k, (B, S, Hkv, D), dev)
+    check_head_view("v", v, (B, S, Hkv, D), dev)
     check_tensor("q_weight", q_weight, torch.bfloat16, (D,), dev)
     check_tensor("k_weight", k_weight, torch.bfloat16, (D,), dev)
     check_tensor("inv_freq", inv_freq, torch.float32, (D // 2,), dev)

@@ -88,6 +88,12 @@ def _launch_shape(H: int) -> tuple[int, int, int]:
     return block, rows, min(16, max(1, rows * block // 256))
 
 
+def check_eps(eps) -> None:
+    """An RMSNorm epsilon: a real number >= 0 (NaN refused), checked before any launch."""
+    if not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
     """(normed [T, H], residual_sum [T, H] or None): the RMSNorm of x, or of s = x + residual (written to
@@ -105,8 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(f"x is on {x.device}: the kernel needs CUDA tensors (or Triton's interpreter)")
     check_tensor("weight", weight, torch.bfloat16, (H,), x.device)
-    if not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    check_eps(eps)
     inputs = {"x": x, "weight": weight}
     res_f32 = residual is not None and residual.dtype == torch.float32
     if residual is not None:

@@ -39,7 +39,6 @@ truncates).
 Bytes: N * K * 2 weight (the cost), T * K * 2 x (per program, from L2), T * N * (2 or 4) written.
 """
 
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -48,7 +47,7 @@ import triton.language as tl
 
 from kernels.moe_reference import check_tensor, overlaps
 from kernels.mx_tiles import pdl_launch
-from kernels.rmsnorm import rms_norm_reference, round_bf16, widen_bf16
+from kernels.rmsnorm import check_eps, rms_norm_reference, round_bf16, widen_bf16
 
 MAX_T = 16  # tokens per call; the caller uses cuBLAS above (the FMAs grow with T, the bytes do not)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -247,8 +246,7 @@ def check_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     T, K = x.shape
     check_tensor("residual", residual, torch.float32, (T, K), x.device)
     check_tensor("norm_weight", norm_weight, torch.bfloat16, (K,), x.device)
-    if not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    check_eps(eps)
     if K > _MAX_BLOCK_K:
         raise ValueError(f"norm_weight: K = {K} is over {_MAX_BLOCK_K}: the norm needs the whole row in one chunk")
 

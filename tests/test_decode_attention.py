@@ -175,7 +175,7 @@ def test_fused_norm_rope_edges_and_errors():
     q_out = qk_norm_rope(q, k, v, new_kv.q_weight, new_kv.k_weight, new_kv.eps, new_kv.inv_freq, positions, slots,
                          k_two, v_cache.clone())
     _check(out[1:], cache_attention_reference(q_out[1:], k_two, v_cache, slots[1:], positions[1:]))
-    with pytest.raises(ValueError, match="new_kv.k must be a bfloat16"):
+    with pytest.raises(TypeError, match="new_kv.k must be a torch.bfloat16 tensor"):
         decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(k=k.float()))
     with pytest.raises(ValueError, match="new_kv.v's row stride"):
         decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(v=v.contiguous()))
