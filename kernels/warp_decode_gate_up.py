@@ -35,8 +35,9 @@ from kernels.mxfp8 import as_dense
 @triton.jit
 def _expert_rows(d_ptr, e, nb, H: tl.constexpr, HP: tl.constexpr, I: tl.constexpr, BN: tl.constexpr):
     """Expert e's gate rows n = nb * BN .. + BN and up rows I + n over all of H: the weights as FP32 [BN, 2, G, 32]
-    (G = HP / 32 groups of 32), the rows [BN, 2] (for _row_scales), n [BN] and which n exist. Gate and up side by side make the scales one [BN, 2, G] byte tile, 4 bytes per thread at the shipped
-    tiles: narrower per-thread loads are not pipelined (they would wait in the loop, once per item)."""
+    (G = HP / 32 groups of 32), the rows [BN, 2] (for _row_scales), n [BN] and which n exist. Gate and up side by
+    side make the scales one [BN, 2, G] byte tile, 4 bytes per thread at the shipped tiles: narrower per-thread
+    loads are not pipelined (they would wait in the loop, once per item)."""
     n = nb * BN + tl.arange(0, BN)
     n_ok = tail_mask(n, I, BN)
     kk = tl.arange(0, HP)
