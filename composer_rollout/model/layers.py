@@ -153,10 +153,11 @@ class Attention(nn.Module):
         return self._attend(fused_linear(x, self.qkv_weight), positions, slots, layer, cache, inv_freq)
 
     def add_norm_forward(self, x, residual, norm: "RMSNorm", positions, slots, layer, cache, inv_freq):
-        """(attention of norm(x + residual), x + residual) on the triton backend, the sum in FP32; at a decode
-        step's few tokens the add and the norm run inside the qkv projection's launch (add_norm_linear)."""
+        """(attention of norm(x + residual), x + residual) on the triton backend, the sum in FP32 (residual None at
+        layer 0: the stream starts as the widened embedding); at a decode step's few tokens the add and the norm run
+        inside the qkv projection's launch (add_norm_linear)."""
         B, S, H = x.shape
-        if B * S > skinny_max_tokens(self.qkv_weight.shape[0]):
+        if residual is None or B * S > skinny_max_tokens(self.qkv_weight.shape[0]):
             h, residual = norm.add_norm(x, residual, fused=True)
             return self._fused(h, positions, slots, layer, cache, inv_freq), residual
         qkv, _, summed = add_norm_linear(x.view(B * S, H), residual.view(B * S, H), norm.weight, norm.eps,

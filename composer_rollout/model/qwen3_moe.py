@@ -49,12 +49,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
             h, residual = self.post_attention_layernorm.add_norm(h, residual, False)
             return self.mlp(h, layer, capture), residual
-        if residual is None:  # layer 0: the stream starts as the widened embedding, nothing to add
-            h, residual = self.input_layernorm.add_norm(x, None, True)
-            h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
-        else:
-            h, residual = self.self_attn.add_norm_forward(x, residual, self.input_layernorm, positions, slots, layer,
-                                                          cache, inv_freq)
+        h, residual = self.self_attn.add_norm_forward(x, residual, self.input_layernorm, positions, slots, layer,
+                                                      cache, inv_freq)
         return self.mlp.add_norm_forward(h, residual, self.post_attention_layernorm, layer, capture)
 
 
