@@ -3,7 +3,8 @@
 torch are ~8 elementwise/reduction kernels each.
 
 Shapes: T tokens, H hidden (up to 8192). Layout: x, out [T, H] bf16 row-major; weight [H] bf16; residual and
-residual_out [T, H] row-major, both bf16 or both fp32.
+residual_out [T, H] row-major, both bf16 or both fp32. With an fp32 residual x may be fp32 too: the fast decode
+path's o_proj output, added to the stream unrounded (docs/perf.md, the accuracy attribution).
 Numerics with a BF16 residual, those of composer_rollout.model.layers.RMSNorm (Hugging Face's):
     s = bf16(x + residual)                                     (torch's BF16 add: FP32 sum, one rounding)
     out = bf16(weight * bf16(s * rsqrt(mean(s^2) + eps)))      (FP32 inside; the two BF16 roundings kept)
@@ -17,7 +18,7 @@ approximation, ~2 ulp, as torch's CUDA rsqrtf; 1 / sqrt under the interpreter). 
 rounding boundary may round the other way: out is then one BF16 step off (two, where a weight < 1 takes the
 product into a lower binade). Rare: none at H = 2048 in the tests, ~1 in 10^5 elements at H = 96 or 200.
 Each program holds whole rows in registers (BLOCK = next_power_of_2(H)); small H packs several rows per program.
-Bytes: T * H * 2 read (x), + T * H * 2 read and T * H * 2 written with a BF16 residual (4 and 4 with an FP32
+Bytes: T * H * 2 read (x; 4 in fp32), + T * H * 2 read and T * H * 2 written with a BF16 residual (4 and 4 with an FP32
 one), T * H * 2 written (out),
 H * 2 read per program (weight).
 Outputs must not overlap inputs (checked): in-place use is not supported.
@@ -54,15 +55,16 @@ def round_bf16(v, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-            ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, INTERPRET: tl.constexpr,
-            PDL: tl.constexpr):
+            ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, X_F32: tl.constexpr,
+            INTERPRET: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, BLOCK)
     m = (row < T)[:, None] & (col < H)[None, :]
     offs = row.to(tl.int64)[:, None] * H + col[None, :]  # int64: T * H may pass 2^31 in a long prefill
-    s = widen_bf16(tl.load(x_ptr + offs, mask=m, other=0.0))
+    s = tl.load(x_ptr + offs, mask=m, other=0.0)
+    s = s if X_F32 else widen_bf16(s)
     if HAS_RES:
         if RES_F32:
             s = s + tl.load(res_ptr + offs, mask=m, other=0.0)
@@ -98,16 +100,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
     """(normed [T, H], residual_sum [T, H] or None): the RMSNorm of x, or of s = x + residual (written to
     `residual_out`, the stream the next residual add reads) when `residual` is given. The residual is bf16 or
-    fp32 and residual_out has its dtype. `out` and `residual_out` are allocated when None; neither may overlap x,
-    residual or weight."""
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise TypeError(f"x must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    fp32 and residual_out has its dtype; x is bf16, or fp32 with an fp32 residual. `out` and `residual_out` are
+    allocated when None; neither may overlap x, residual or weight."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be a bfloat16 or float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    x_f32 = x.dtype == torch.float32
+    if x_f32 and (residual is None or residual.dtype != torch.float32):
+        raise TypeError("x is float32 but residual is not: an fp32 x is added to an fp32 residual stream only")
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
     if not 1 <= H <= MAX_H:
         raise ValueError(f"x: H must be in 1..{MAX_H}, got shape {tuple(x.shape)}")
-    check_tensor("x", x, torch.bfloat16, (T, H), x.device)
+    check_tensor("x", x, x.dtype, (T, H), x.device)
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(f"x is on {x.device}: the kernel needs CUDA tensors (or Triton's interpreter)")
     check_tensor("weight", weight, torch.bfloat16, (H,), x.device)
@@ -121,7 +126,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         check_tensor("residual_out", residual_out, residual.dtype, (T, H), x.device)
     elif residual_out is not None:
         raise ValueError("residual_out is given but residual is None: there is no sum to write")
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=x.device) if out is None else out
     check_tensor("out", out, torch.bfloat16, (T, H), x.device)
     checks = [("out", out, name, t) for name, t in inputs.items()]
     if residual_out is not None:
@@ -134,17 +139,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rmsnorm_kernel[(triton.cdiv(T, rows),)](x, x if residual is None else residual, weight, out,
                                          out if residual_out is None else residual_out, T, float(eps), H=H,
                                          BLOCK=block, ROWS=rows, HAS_RES=residual is not None,
-                                         RES_F32=res_f32, INTERPRET=triton.knobs.runtime.interpret, num_warps=warps,
-                                         enable_fp_fusion=False, **pdl_launch())
+                                         RES_F32=res_f32, X_F32=x_f32, INTERPRET=triton.knobs.runtime.interpret,
+                                         num_warps=warps, enable_fp_fusion=False, **pdl_launch())
     return out, residual_out
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.bfloat16):
     """The same in torch, op for op as the model's path: the BF16 add, then RMSNorm.forward's formula; with an
-    FP32 residual, the FP32 sum and one rounding of the output."""
+    FP32 residual, the FP32 sum and one rounding of the output to out_dtype (float32: none, the value that
+    skinny_linear.add_norm_linear multiplies)."""
     if residual is not None and residual.dtype == torch.float32:
         s = x.float() + residual
-        return (weight.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))).bfloat16(), s
+        return (weight.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))).to(out_dtype), s
     s = x if residual is None else x + residual
     sf = s.float()
     sf = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)

@@ -13,7 +13,8 @@ program's stores precede it), and the program that arrives last runs router_topk
 counter is the caller's zeroed int32 [1] buffer (one per call site, e.g. per MoE block: two launches sharing one
 must not run concurrently); the logits are read back through L2 (.cg), never from a stale L1 line.
 Shapes: T tokens (<= skinny_linear.MAX_T, 16), H hidden (a multiple of 8, <= 8192 with the norm), E experts (<=
-512), k = top_k <= E. Layout: hidden [T, H] bf16 with unit stride along H; gate_weight [E, H] bf16 row-major;
+512), k = top_k <= E. Layout: hidden [T, H] bf16 (or fp32: with the norm, the o_proj output) with unit stride
+along H; gate_weight [E, H] bf16 row-major;
 residual [T, H] fp32 -> weights [T, k] fp32, ids [T, k] int64, the capture [T, k] uint8 / int16 / int32, and with
 the norm normed [T, H] bf16 (the experts' input) and the residual sum [T, H] fp32.
 Numerics: logits = normed @ gate_weight^T from BF16 operands, FP32 accumulation, kept FP32 (skinny_linear's sums;
@@ -55,7 +56,7 @@ def _router_gate_topk_kernel(x_ptr, g_ptr, res_ptr, nw_ptr, res_out_ptr, normed_
                              CAPTURE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     acc = skinny_rows(x_ptr, g_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, E, stride_x, eps, pid, K, BT,
-                      BLOCK_N, BLOCK_K, LANES, EARLY, NORM, INTERPRET, PDL)
+                      BLOCK_N, BLOCK_K, LANES, EARLY, NORM, False, INTERPRET, PDL)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BT)
     tl.store(logits_ptr + t[:, None] * E + n[None, :], acc, mask=(t < T)[:, None] & (n < E)[None, :])

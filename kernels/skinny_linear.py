@@ -7,8 +7,9 @@ programs (>= 2 per SM where N allows) reads every weight byte once, and the rout
 (out_dtype=torch.float32) instead of being rounded to BF16.
 
 Shapes: T tokens (1..MAX_T), N output features, K input features (a multiple of 8: 16-byte weight rows).
-Layout: x [T, K] bf16 with unit stride along K (any row stride: views of a wider buffer work); weight [N, K] bf16
-row-major (nn.Linear's); out [T, N] bf16 or fp32, contiguous.
+Layout: x [T, K] bf16 or fp32 with unit stride along K (any row stride: views of a wider buffer work); weight
+[N, K] bf16 row-major (nn.Linear's); out [T, N] bf16 or fp32, contiguous. (An fp32 x is the fast decode path's
+o_proj output entering the router's norm prologue unrounded.)
 Program (BLOCK_N weight rows, all T tokens): the weight tile is loaded as [1, BLOCK_N, BLOCK_K] and the token tile
 as [BT, 1, BLOCK_K] (BT = next_power_of_2(T)), so both land in one layout: 8 consecutive K elements per thread (a
 16-byte load), then the lanes and all warps along K, every row and token in each thread. Widened to FP32, their
@@ -31,12 +32,14 @@ is not a power of two masks the padded columns (constant over each 8 elements, s
 Norm prologue (add_norm_linear): x is the previous block's output and the input is rmsnorm(x + residual), the
 decoder layer's add + norm (kernels/rmsnorm.py's FP32-residual formula). Every program computes it from the
 whole row (K <= BLOCK_K: one chunk), 4-12 KB per token from L2, instead of a separate launch; program 0
-stores the FP32 sum and the normed BF16 row for the launches after. It holds every token's row at once, so the
-launch spreads them over more warps as T grows (_config).
-Numerics: BF16 x BF16 products are exact in FP32; the sum is FP32 in a fixed order (deterministic, no atomics);
-bf16 output is rounded once, to nearest even (round_bf16: bit arithmetic under the interpreter, whose cast
-truncates).
-Bytes: N * K * 2 weight (the cost), T * K * 2 x (per program, from L2), T * N * (2 or 4) written.
+stores the FP32 sum and the normed BF16 row for the launches after. add_norm_linear multiplies the FP32 normed
+values (the qkv projection: its input's BF16 rounding was the largest single term of the decode path's distance
+from FP32, docs/perf.md); the router multiplies the stored BF16 ones, which its experts read. It holds every
+token's row at once, so the launch spreads them over more warps as T grows (_config).
+Numerics: BF16 x BF16 products are exact in FP32 (products with an FP32 x or normed value are rounded once); the
+sum is FP32 in a fixed order (deterministic, no atomics); bf16 output is rounded once, to nearest even
+(round_bf16: bit arithmetic under the interpreter, whose cast truncates).
+Bytes: N * K * 2 weight (the cost), T * K * 2 x (4 in fp32; per program, from L2), T * N * (2 or 4) written.
 """
 
 from typing import NamedTuple
@@ -107,9 +110,11 @@ def _after_weights(w, xf, N, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
 @triton.jit
 def skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, stride_x, eps, pid,
                 K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANES: tl.constexpr,
-                EARLY: tl.constexpr, NORM: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                EARLY: tl.constexpr, NORM: tl.constexpr, NORM_F32: tl.constexpr, INTERPRET: tl.constexpr,
+                PDL: tl.constexpr):
     """The program's [BT, BLOCK_N] FP32 sums (rows pid * BLOCK_N + i, all T tokens); also kernels/router_gate_topk.py's
-    main loop. With NORM the input is the RMSNorm of x + residual: see the module docstring's "Norm prologue"."""
+    main loop. With NORM the input is the RMSNorm of x + residual: see the module docstring's "Norm prologue";
+    NORM_F32: the products take its FP32 values, not the BF16 ones stored."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BT)
     # Tails read the last valid row / token (module docstring); int64 rows: N * K may pass 2^31.
@@ -130,9 +135,10 @@ def skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, st
             if PDL:
                 tl.extra.cuda.gdc_wait()
             x = tl.load(x_rows + k0 + k, mask=k0 + k < K, other=0.0)
-        xf = widen_bf16(x)
+        xf = x if x.dtype == tl.float32 else widen_bf16(x)
         if NORM:  # K <= BLOCK_K (checked): the whole row is in this one chunk
-            xf = _add_norm(xf, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, eps, pid, K, BT, BLOCK_K, INTERPRET)
+            xf = _add_norm(xf, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, eps, pid, K, BT, BLOCK_K, NORM_F32,
+                           INTERPRET)
         if EARLY:
             xf = _after_weights(w, xf, N, BT, BLOCK_N, BLOCK_K, LANES)
         acc += tl.sum(xf * widen_bf16(w), axis=2)
@@ -141,22 +147,23 @@ def skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, st
 
 @triton.jit
 def _add_norm(xf, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, eps, pid, K: tl.constexpr, BT: tl.constexpr,
-              BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+              BLOCK_K: tl.constexpr, NORM_F32: tl.constexpr, INTERPRET: tl.constexpr):
     """kernels/rmsnorm.py's FP32-residual formula on the widened x tile [BT, 1, BLOCK_K]: s = x + residual,
-    bf16(weight * (s * rsqrt(mean(s^2) + eps))), widened again for the products; program 0 also stores s and
-    the normed row for the launches after this one."""
+    n = weight * (s * rsqrt(mean(s^2) + eps)), returned for the products as it is (NORM_F32) or as bf16(n)
+    widened again; program 0 also stores s and bf16(n) for the launches after this one."""
     t = tl.arange(0, BT)[:, None, None]
     k = tl.arange(0, BLOCK_K)[None, None, :]
     rows = tl.minimum(t, T - 1).to(tl.int64) * K + k
     ok = k < K
     s = xf + tl.load(res_ptr + rows, mask=ok, other=0.0)
     inv = tl.math.rsqrt(tl.sum(s * s, axis=2, keep_dims=True) * (1.0 / K) + eps)
-    normed = round_bf16(widen_bf16(tl.load(nw_ptr + k, mask=ok, other=0.0)) * (s * inv), INTERPRET)
+    n = widen_bf16(tl.load(nw_ptr + k, mask=ok, other=0.0)) * (s * inv)
+    normed = round_bf16(n, INTERPRET)
     if pid == 0:
         store = ok & (t < T)
         tl.store(res_out_ptr + rows, s, mask=store)
         tl.store(normed_ptr + rows, normed, mask=store)
-    return widen_bf16(normed)
+    return n if NORM_F32 else widen_bf16(normed)
 
 
 @triton.jit
@@ -166,7 +173,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, n
                           INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     acc = skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, stride_x, eps, pid, K, BT,
-                      BLOCK_N, BLOCK_K, LANES, EARLY, NORM, INTERPRET, PDL)
+                      BLOCK_N, BLOCK_K, LANES, EARLY, NORM, True, INTERPRET, PDL)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BT)
     dst = out_ptr + t[:, None] * N + n[None, :]
@@ -192,7 +199,7 @@ def _pow2(v) -> bool:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
                   out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
     """out[t, n] = sum_k x[t, k] * weight[n, k], accumulated in FP32 and stored as out_dtype (bf16: rounded to
-    nearest even once; fp32: the accumulator). x [T, K] bf16 with x.stride(1) == 1, T <= MAX_T; weight [N, K]
+    nearest even once; fp32: the accumulator). x [T, K] bf16 or fp32 with x.stride(1) == 1, T <= MAX_T; weight [N, K]
     bf16 contiguous, K a multiple of 8. Writes and returns `out` [T, N] (allocated when None; it must not overlap
     x or weight). `config` overrides _config's choice (benchmarks and tests)."""
     T, K, N = check_skinny(x, weight)
@@ -205,10 +212,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dty
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
                     config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [T, N], normed [T, K] bf16, s [T, K] fp32): s = x + residual, normed = its RMSNorm (kernels/rmsnorm.py's
-    FP32-residual formula, weight norm_weight [K] bf16), out = normed @ weight^T as skinny_linear computes it; one
-    launch instead of rms_norm's and skinny_linear's. residual [T, K] fp32 contiguous; K <= the largest one-chunk
-    BLOCK_K (8192)."""
+    """(out [T, N], normed [T, K] bf16, s [T, K] fp32): s = x + residual, n = its RMSNorm (kernels/rmsnorm.py's
+    FP32-residual formula, weight norm_weight [K] bf16) in FP32, normed = bf16(n), out = n @ weight^T as
+    skinny_linear computes it (the FP32 n, not normed: one rounding fewer than rms_norm then skinny_linear).
+    residual [T, K] fp32 contiguous; K <= the largest one-chunk BLOCK_K (8192)."""
     T, K, N = check_skinny(x, weight)
     check_add_norm(x, residual, norm_weight, eps)
     out = _out(None, (T, N), out_dtype, x, weight)
@@ -221,8 +228,9 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
 def check_skinny(x: torch.Tensor, weight: torch.Tensor, x_name: str = "x",
                  w_name: str = "weight") -> tuple[int, int, int]:
     """(T, K, N) of a skinny product, or an error naming the argument (as the caller calls it)."""
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise TypeError(f"{x_name} must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{x_name} must be a bfloat16 or float32 tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2:
         raise ValueError(f"{x_name} must be a 2-D tensor [T, K], got shape {tuple(x.shape)}")
     T, K = x.shape
@@ -280,13 +288,13 @@ def _launch(x, weight, out, config, residual, norm_weight, summed, normed, eps, 
 
 
 def add_norm_linear_reference(x, residual, norm_weight, eps, weight, out_dtype=torch.bfloat16):
-    """The same as the two launches it replaces: rms_norm_reference with the FP32 residual, then
-    skinny_linear_reference."""
-    normed, summed = rms_norm_reference(x, norm_weight, eps, residual)
-    return skinny_linear_reference(normed, weight, out_dtype), normed, summed
+    """The same in torch: rms_norm_reference with the FP32 residual, its FP32 result multiplied (and rounded to
+    BF16 for `normed`)."""
+    n, summed = rms_norm_reference(x, norm_weight, eps, residual, out_dtype=torch.float32)
+    return skinny_linear_reference(n, weight, out_dtype), n.bfloat16(), summed
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor,
                             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The same in torch: an FP32 matmul of the same BF16 values, rounded once to out_dtype."""
+    """The same in torch: an FP32 matmul of the same values, rounded once to out_dtype."""
     return (x.float() @ weight.float().T).to(out_dtype)

@@ -76,20 +76,27 @@ def test_error_is_bf16_rounding_against_fp32():
 
 @pytest.mark.parametrize("H", [96, 200, 2048])
 @pytest.mark.parametrize("T", [1, 17])
-def test_fp32_residual_stream(H, T):
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_fp32_residual_stream(H, T, x_dtype):
     """An FP32 residual: the sum is exact FP32 (bit-identical to torch's), stored FP32, and the output is rounded
-    once, so it sits within one BF16 rounding of the exact norm (two with the BF16 stream)."""
+    once, so it sits within one BF16 rounding of the exact norm (two with the BF16 stream). x in FP32 too (the
+    fast path's o_proj output), with bits past BF16's."""
     x, r, w = data(T, H, seed=H + T)
-    r32 = r.float() + torch.randn(T, H, generator=torch.Generator().manual_seed(H)).to(DEVICE) * 1e-3  # not BF16
+    noise = torch.randn(T, H, generator=torch.Generator().manual_seed(H)).to(DEVICE) * 1e-3
+    r32 = r.float() + noise  # not BF16
+    if x_dtype == torch.float32:
+        x = x.float() * (1 + noise)
     got, got_sum = rms_norm(x, w, EPS, r32)
     want, want_sum = rms_norm_reference(x, w, EPS, r32)
     assert got.dtype == torch.bfloat16 and got_sum.dtype == torch.float32
     assert torch.equal(got_sum, x.float() + r32) and torch.equal(got_sum, want_sum)
     check(got, want, min_identical=0.99)
+    if x_dtype == torch.float32:
+        assert not torch.equal(got_sum, x.bfloat16().float() + r32)  # x's low bits reached the sum
     exact = w.double() * got_sum.double() * torch.rsqrt(got_sum.double().pow(2).mean(-1, keepdim=True) + EPS)
     err = (got.double() - exact).abs()
     assert (err <= 2**-8 * 1.01 * exact.abs()).all()
-    out, res_out = torch.empty_like(x), torch.empty_like(r32)
+    out, res_out = torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(r32)
     got_out, got_res = rms_norm(x, w, EPS, r32, out=out, residual_out=res_out)
     assert got_out is out and got_res is res_out
     assert torch.equal(res_out, want_sum)
@@ -119,7 +126,9 @@ def _bad_cases():
     x, r, w = data(4, 64, seed=7)
     wide = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
     return {
-        "x dtype": (dict(x=x.float()), TypeError, "x must be a bfloat16"),
+        "x dtype": (dict(x=x.half()), TypeError, "x must be a bfloat16 or float32"),
+        "fp32 x, bf16 residual": (dict(x=x.float()), TypeError, "x is float32 but residual is not"),
+        "fp32 x, no residual": (dict(x=x.float(), residual=None), TypeError, "x is float32 but residual is not"),
         "x rank": (dict(x=x[0]), ValueError, r"x must be \[T, H\]"),
         "x strided": (dict(x=wide[:, ::2], residual=None), ValueError, "x must be contiguous"),
         "H too big": (dict(x=torch.zeros(1, 8193, dtype=torch.bfloat16, device=DEVICE)), ValueError, "x: H must be"),

@@ -78,12 +78,16 @@ def test_capture_out(dtype):
 
 
 @pytest.mark.parametrize("T, H, E", [(1, 96, 60), (3, 200, 128), (16, 64, 12)])
-def test_add_norm_routes_the_normed_sum(T, H, E):
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
+def test_add_norm_routes_the_normed_sum(T, H, E, hidden_dtype):
     """With add_norm the launch also returns rms_norm(hidden + residual) and the sum, as kernels/rmsnorm.py would
     (one BF16 step apart at most where the two sums of squares round rsqrt differently), and routes the normed
-    rows. A strided hidden (a view of a wider buffer) and a residual of another scale than hidden."""
+    rows. A strided hidden (a view of a wider buffer; FP32 too, as the fast path's o_proj writes it) and a
+    residual of another scale than hidden."""
     g = torch.Generator().manual_seed(T + H)
     wide, gate_weight = router_inputs(T, 2 * H, E, seed=T + H)
+    if hidden_dtype == torch.float32:
+        wide = wide.float() * (1 + torch.rand(wide.shape, generator=g).to(DEVICE) / 64)
     hidden, gate_weight = wide[:, :H], gate_weight[:, :H].contiguous() * 4
     residual = (torch.randn(T, H, generator=g) * 3).to(DEVICE)
     norm_weight = (1 + 0.2 * torch.randn(H, generator=g)).bfloat16().to(DEVICE)
@@ -156,7 +160,7 @@ _H = torch.zeros(4, 32, dtype=torch.bfloat16, device=DEVICE)
 _W = torch.zeros(16, 32, dtype=torch.bfloat16, device=DEVICE)
 _NORM = (torch.zeros(4, 32, device=DEVICE), torch.ones(32, dtype=torch.bfloat16, device=DEVICE), 1e-6)
 _BAD = {
-    "hidden dtype": (dict(hidden=_H.float()), TypeError, "hidden must be a bfloat16"),
+    "hidden dtype": (dict(hidden=_H.half()), TypeError, "hidden must be a bfloat16 or float32"),
     "hidden rank": (dict(hidden=_H[0]), ValueError, r"hidden must be a 2-D tensor \[T, K\]"),
     "hidden H": (dict(hidden=torch.zeros(4, 20, dtype=torch.bfloat16, device=DEVICE)), ValueError,
                  "hidden: K = 20 must be a positive multiple of 8"),

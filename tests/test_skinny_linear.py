@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from linear_data import linear_data
 
+from kernels.rmsnorm import rms_norm_reference
 from kernels.skinny_linear import (
     MAX_T,
     Config,
@@ -135,11 +136,27 @@ def test_config_at_qwen3_shapes():
     assert _config(1, 64, 16384) == Config(1, 8192, 8)  # two chunks
 
 
+@pytest.mark.parametrize("T, N, K", [(1, 37, 130 * 4), (3, 130, 208)])
+def test_fp32_x(T, N, K):
+    """An FP32 x (the o_proj output the router's norm prologue takes): each product rounded once, then the K - 1
+    additions: |got - exact| <= (K + 1) * 2^-23 * S. A strided view."""
+    x, w = _data(T, N, K, seed=5 * T)
+    wide = torch.zeros(T, K + 8, device=DEVICE)
+    wide[:, 8:] = x.float() * (1 + torch.rand(T, K, generator=torch.Generator().manual_seed(T)).to(DEVICE) / 64)
+    xf = wide[:, 8:]
+    exact, scale, bound = _exact(xf, w)
+    got = skinny_linear(xf, w, out_dtype=torch.float32)
+    assert ((got.double() - exact).abs() <= bound + 2.0**-23 * scale).all()
+    assert ((x.double() @ w.double().T - exact).abs() > bound + 2.0**-23 * scale).any()  # x's bits past BF16 count
+
+
 @pytest.mark.parametrize("T, N, K", [(1, 37, 48), (3, 130, 208), (8, 37, 1000)])
 def test_add_norm_linear_matches_the_two_launches(T, N, K):
     """The norm prologue against rms_norm_reference (FP32 residual) then the product: the sum exact, the normed row
     within one BF16 step (a value on a rounding boundary may round the other way: the sums of squares run in
-    another order), and the product of the kernel's own normed row within the FP32 bound. x is a strided view."""
+    another order), and the product of the FP32 normed row (not the stored BF16 one: further from the exact
+    product of the FP32 norm than the bound allows) within the FP32 bound, widened by 8 ulps of each normed value
+    (rsqrt and the order of the sum of squares). x is a strided view."""
     x, w = _data(T, N, K, seed=T + N)
     g = torch.Generator().manual_seed(K)
     wide = torch.zeros(T, K + 24, dtype=torch.bfloat16, device=DEVICE)
@@ -150,8 +167,14 @@ def test_add_norm_linear_matches_the_two_launches(T, N, K):
     _, want_normed, want_summed = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w)
     assert torch.equal(summed, want_summed)
     assert _steps(normed, want_normed).max() <= 1 and _steps(normed, want_normed).float().mean() < 1e-3
-    exact, _, bound = _exact(normed, w)
-    assert ((out.double() - exact).abs() <= bound).all()
+    want_n = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w, out_dtype=torch.float32)[0]
+    n = rms_norm_reference(x, norm_weight, 1e-6, residual, out_dtype=torch.float32)[0]
+    exact, scale, bound = _exact(n, w)
+    err = (out.double() - exact).abs()
+    assert (err <= bound + 8 * 2.0**-24 * scale).all()
+    assert (want_n.double() - exact).abs().max() <= (bound + 8 * 2.0**-24 * scale).max()
+    rounded = (normed.double() @ w.double().T - exact).abs()
+    assert (rounded > bound + 8 * 2.0**-24 * scale).any()  # the BF16 normed row would fail the bound
     bf16 = add_norm_linear(x, residual, norm_weight, 1e-6, w)[0]
     assert torch.equal(bf16, out.bfloat16())
 
@@ -172,7 +195,7 @@ def test_add_norm_linear_refuses_bad_norm_arguments():
 _X = torch.ones(3, 48, dtype=torch.bfloat16, device=DEVICE)
 _W = torch.ones(37, 48, dtype=torch.bfloat16, device=DEVICE)
 _BAD = [
-    (TypeError, "x must be a bfloat16 tensor", lambda: skinny_linear(_X.float(), _W)),
+    (TypeError, "x must be a bfloat16 or float32 tensor", lambda: skinny_linear(_X.half(), _W)),
     (ValueError, "x must be a 2-D tensor", lambda: skinny_linear(_X[0], _W)),
     (ValueError, f"more than MAX_T = {MAX_T}", lambda: skinny_linear(_X[:1].expand(MAX_T + 1, 48), _W)),
     (ValueError, "multiple of 8", lambda: skinny_linear(_X[:, :12], _W[:, :12].contiguous())),

@@ -21,7 +21,8 @@ its own keys, FP32 softmax and accumulation), and the projections of a decode st
 (kernels/skinny_linear.py, see fused_linear).
 
 The residual stream is passed as (block output, residual before it) so that the add and the next norm are one
-launch; the torch backend computes the sums in BF16 as Hugging Face does, the triton one keeps the stream in FP32.
+launch; the torch backend computes the sums in BF16 as Hugging Face does, the triton one keeps the stream in FP32
+and adds attention's output to it unrounded (o_proj's FP32 accumulator).
 q_proj, k_proj and v_proj are row views of one [q + k + v rows, H] weight, so the triton backend projects in one
 GEMM (and the torch one in three, as Hugging Face does): whatever writes those weights must write into them
 (copy_), never rebind them.
@@ -165,7 +166,9 @@ class Attention(nn.Module):
         return self._attend(qkv, positions, slots, layer, cache, inv_freq), summed.view(B, S, H)
 
     def _attend(self, qkv, positions, slots, layer, cache, inv_freq):
-        """q/k-norm + RoPE + the cache write, attention and o_proj, from the projected qkv [B, S, q + k + v rows]."""
+        """q/k-norm + RoPE + the cache write, attention and o_proj, from the projected qkv [B, S, q + k + v rows]. The
+        output is FP32: the next add + norm takes it into the FP32 stream unrounded (its BF16 rounding was the
+        second largest term of the decode path's distance from FP32: docs/perf.md, the accuracy attribution)."""
         B, S = positions.shape
         qkv = qkv.view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # strided views
@@ -179,18 +182,20 @@ class Attention(nn.Module):
             q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions,
                              slots, k_cache, v_cache)
             out = (decode_attention if S == 1 else prefill_attention)(q, k_cache, v_cache, slots, positions)
-        return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight)
+        return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight, torch.float32)
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] @ weight^T on the Triton dense path. A decode step's few tokens (up to
     kernels.skinny_linear.max_tokens: 2 for the attention projections, 16 for the router gate) take skinny_linear,
     one launch that beat cuBLAS there on the H200 (cuBLAS: two launches for o_proj, ~2 CTAs for the gate). More
-    tokens take cuBLAS; out_dtype=float32 (the router's logits) then multiplies FP32 copies, so the logits never
-    pass through BF16 whatever the batch."""
+    tokens take cuBLAS; out_dtype=float32 (the router's logits, o_proj's output) is its FP32 accumulator (the
+    BF16 x BF16 -> FP32 GEMM; on the CPU, which lacks it, FP32 copies multiplied: the same values)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] <= skinny_max_tokens(weight.shape[0]):
         y = skinny_linear(flat, weight, out_dtype=out_dtype)
+    elif out_dtype == torch.float32 and flat.is_cuda:
+        y = torch.mm(flat, weight.t(), out_dtype=torch.float32)
     elif out_dtype == torch.float32:
         y = F.linear(flat.float(), weight.float())
     else:
