@@ -38,3 +38,33 @@ def test_fifo_occupancy_bound():
     # Slots 0/1 take 8 and 2; the 2-slot frees at 2 and takes 4 (ends 6), then 3 at 6 (ends 9): 17 tokens / (2 x 9).
     assert fifo_occupancy([8, 2, 4, 3], 2) == 17 / 18
     assert fifo_occupancy([], 4) == 0.0
+
+
+def test_accuracy_attribution_runs_and_every_point_moves_the_logprobs(tmp_path):
+    """jobs/accuracy_attribution.py at toy sizes: every emulated rounding reaches the logprobs (a hook that never
+    fired would score exactly 0), and the table, JSON line and PNG come out."""
+    from jobs.accuracy_attribution import FAST_POINTS, POINTS
+
+    cmd = [sys.executable, "-m", "jobs.accuracy_attribution", "--device", "cpu", "--preset", "tiny", "--prompts", "2",
+           "--tokens", "4", "--prompt-len", "5", "--leave-one-out", "--out", str(tmp_path)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    means = json.loads(proc.stdout.strip().splitlines()[-1])["mean_abs_dlogprob"]
+    assert set(means) == {"fast", "all", *POINTS, *(f"all_but:{p}" for p in FAST_POINTS)}
+    assert all(v > 0 for v in means.values()), means
+    assert (tmp_path / "accuracy_attribution.png").stat().st_size > 0
+
+
+def test_accuracy_attribution_refuses_an_unknown_point():
+    import pytest
+    import torch
+
+    from composer_rollout.model import Qwen3MoE, preset
+    from jobs.accuracy_attribution import rounded
+
+    ref = Qwen3MoE(preset("tiny"), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"rounding points \['o_proj'\] are unknown"):
+        with rounded(ref, {"o_proj", "lm_in"}):
+            pass
+    assert not ref.norm._forward_hooks  # nothing left hooked
