@@ -163,20 +163,25 @@ def test_add_norm_linear_matches_the_two_launches(T, N, K):
     wide[:, 8:8 + K] = x
     residual = (torch.randn(T, K, generator=g) * 5).to(DEVICE)
     norm_weight = (1 + 0.3 * torch.randn(K, generator=g)).bfloat16().to(DEVICE)
-    out, normed, summed = add_norm_linear(wide[:, 8:8 + K], residual, norm_weight, 1e-6, w, out_dtype=torch.float32)
-    _, want_normed, want_summed = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w)
-    assert torch.equal(summed, want_summed)
-    assert _steps(normed, want_normed).max() <= 1 and _steps(normed, want_normed).float().mean() < 1e-3
-    want_n = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w, out_dtype=torch.float32)[0]
-    n = rms_norm_reference(x, norm_weight, 1e-6, residual, out_dtype=torch.float32)[0]
-    exact, scale, bound = _exact(n, w)
-    err = (out.double() - exact).abs()
-    assert (err <= bound + 8 * 2.0**-24 * scale).all()
-    assert (want_n.double() - exact).abs().max() <= (bound + 8 * 2.0**-24 * scale).max()
-    rounded = (normed.double() @ w.double().T - exact).abs()
-    assert (rounded > bound + 8 * 2.0**-24 * scale).any()  # the BF16 normed row would fail the bound
+    out = _check_add_norm(wide[:, 8:8 + K], residual, norm_weight, w)
     bf16 = add_norm_linear(x, residual, norm_weight, 1e-6, w)[0]
     assert torch.equal(bf16, out.bfloat16())
+
+
+def _check_add_norm(x, residual, norm_weight, w):
+    """add_norm_linear's three outputs against the references (see the test above); returns the FP32 out."""
+    out, normed, summed = add_norm_linear(x, residual, norm_weight, 1e-6, w, out_dtype=torch.float32)
+    want_out, want_normed, want_summed = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w,
+                                                                   out_dtype=torch.float32)
+    assert torch.equal(summed, want_summed)
+    assert _steps(normed, want_normed).max() <= 1 and _steps(normed, want_normed).float().mean() < 1e-3
+    n = rms_norm_reference(x, norm_weight, 1e-6, residual, out_dtype=torch.float32)[0]
+    exact, scale, bound = _exact(n, w)
+    bound = bound + 8 * 2.0**-24 * scale
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert ((want_out.double() - exact).abs() <= bound).all()
+    assert ((normed.double() @ w.double().T - exact).abs() > bound).any()  # the BF16 normed row would fail it
+    return out
 
 
 def test_add_norm_linear_refuses_bad_norm_arguments():
@@ -245,8 +250,4 @@ def test_add_norm_linear_qkv_shape_on_gpu(T):
     x, w = _data(T, 5120, 2048, seed=T)
     residual = torch.randn(T, 2048, device=DEVICE) * 5
     norm_weight = (1 + 0.3 * torch.randn(2048, device=DEVICE)).bfloat16()
-    out, normed, summed = add_norm_linear(x, residual, norm_weight, 1e-6, w, out_dtype=torch.float32)
-    _, want_normed, want_summed = add_norm_linear_reference(x, residual, norm_weight, 1e-6, w)
-    assert torch.equal(summed, want_summed) and _steps(normed, want_normed).max() <= 1
-    exact, _, bound = _exact(normed, w)
-    assert ((out.double() - exact).abs() <= bound).all()
+    _check_add_norm(x, residual, norm_weight, w)
