@@ -154,9 +154,9 @@ def test_fp32_x(T, N, K):
 def test_add_norm_linear_matches_the_two_launches(T, N, K):
     """The norm prologue against rms_norm_reference (FP32 residual) then the product: the sum exact, the normed row
     within one BF16 step (a value on a rounding boundary may round the other way: the sums of squares run in
-    another order), and the product of the FP32 normed row (not the stored BF16 one: further from the exact
-    product of the FP32 norm than the bound allows) within the FP32 bound, widened by 8 ulps of each normed value
-    (rsqrt and the order of the sum of squares). x is a strided view."""
+    another order), and the product of the FP32 normed row within the FP32 bound, widened by 8 ulps of each normed
+    value (rsqrt and the order of the sum of squares), and 100x closer on average than the stored BF16 row's
+    product would be. x is a strided view."""
     x, w = _data(T, N, K, seed=T + N)
     g = torch.Generator().manual_seed(K)
     wide = torch.zeros(T, K + 24, dtype=torch.bfloat16, device=DEVICE)
@@ -180,7 +180,10 @@ def _check_add_norm(x, residual, norm_weight, w):
     bound = bound + 8 * 2.0**-24 * scale
     assert ((out.double() - exact).abs() <= bound).all()
     assert ((want_out.double() - exact).abs() <= bound).all()
-    assert ((normed.double() @ w.double().T - exact).abs() > bound).any()  # the BF16 normed row would fail it
+    # The product of the stored BF16 row would be ~2^-9 / sqrt(3) relatively off per term (random signs); the FP32
+    # row's error is the sums' order, ~2^-15 of that.
+    rounded = (normed.double() @ w.double().T - exact).abs().mean()
+    assert 100 * (out.double() - exact).abs().mean() < rounded
     return out
 
 
