@@ -10,11 +10,14 @@ S = BLOCK_M * cdiv(P + min(P, E) * (BLOCK_M - 1), BLOCK_M), the worst case over 
 experts are routed to, each wasting at most BLOCK_M - 1 slots): fixed sizes, so the whole MoE layer captures in a
 CUDA graph and its grids are known on the host without reading the routing back.
 
-Why this shape. One program per chunk of CH pairs. Every program histograms all of topk_ids (a loop over the
-chunks, tl.histogram), which gives each expert's padded start and the number of its pairs in earlier chunks;
-then it sorts its own chunk by (expert, pair) (tl.sort on a packed key) and writes each pair to
-start[e] + earlier[e] + its rank among the chunk's pairs of e. The same programs then stride over the row
-blocks: expert of a block = number of experts whose padded group ends at or before it; padding slots get P.
+Why this shape. One program per chunk of CH pairs, and more where the row blocks need them (below). Every program
+histograms all of topk_ids (a loop over the chunks, tl.histogram), which gives each expert's padded start and the
+number of its pairs in earlier chunks; then a chunk's program sorts its chunk by (expert, pair) (tl.sort on a
+packed key) and writes each pair to start[e] + earlier[e] + its rank among the chunk's pairs of e. All programs
+then stride over the row blocks, BB per step: expert of a block = number of experts whose padded group ends at or
+before it; padding slots get P. At decode sizes one chunk holds every pair, and one program walking all the
+blocks (136 at T = 32, BLOCK_M 16) took 6.9 µs per layer on the H200 (8.8 at T = 64): the grid has at least one
+program per BB blocks, so each takes one step (3.9 µs at T = 32: docs/perf.md).
 Chunks are disjoint and padding slots are disjoint from pair slots, so no atomics and the output is the same
 every run. Redoing the histogram per program costs O(P^2 / CH) compares, small next to the GEMMs: one program
 up to P = CH (T = 512 at k = 8), 16 programs at T = 8192.
@@ -49,15 +52,15 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_chunks, n_blocks, 
     end = tl.cumsum(padded, axis=0)
     start = end - padded
 
-    # This chunk's pairs; the masked tail gets expert E, which sorts last and is not stored.
-    q = c * CH + i
-    e = tl.load(ids_ptr + q, mask=q < P, other=E).to(tl.int32)
-    h = tl.histogram(e, EP, mask=q < P)
-    base = start + earlier - (tl.cumsum(h, axis=0) - h)  # + position in the sorted chunk = destination slot
-    key = tl.sort(e * CH + i)
-    e_sorted = key // CH
-    dest = tl.gather(base, tl.minimum(e_sorted, EP - 1), axis=0) + i
-    tl.store(sorted_ptr + dest, c * CH + key % CH, mask=e_sorted < E)
+    if c < n_chunks:  # this chunk's pairs; the masked tail gets expert E, which sorts last and is not stored
+        q = c * CH + i
+        e = tl.load(ids_ptr + q, mask=q < P, other=E).to(tl.int32)
+        h = tl.histogram(e, EP, mask=q < P)
+        base = start + earlier - (tl.cumsum(h, axis=0) - h)  # + position in the sorted chunk = destination slot
+        key = tl.sort(e * CH + i)
+        e_sorted = key // CH
+        dest = tl.gather(base, tl.minimum(e_sorted, EP - 1), axis=0) + i
+        tl.store(sorted_ptr + dest, c * CH + key % CH, mask=e_sorted < E)
 
     # Row blocks, strided over the programs: their expert, and the sentinel in every slot no pair fills.
     rows_end = tl.sum(padded, axis=0)
@@ -105,8 +108,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     if P == 0:
         return sorted_ids, block_expert
     ch = min(triton.next_power_of_2(P), _MAX_CHUNK)
-    n_chunks = triton.cdiv(P, ch)
-    _align_kernel[(n_chunks,)](topk_ids, sorted_ids, block_expert, P, n_chunks, S // block_m, E=num_experts,
-                               EP=triton.next_power_of_2(num_experts), CH=ch, BLOCK_M=block_m, BB=_BLOCKS_PER_STEP,
-                               num_warps=8 if ch >= 1024 else 4)
+    n_chunks, n_blocks = triton.cdiv(P, ch), S // block_m
+    _align_kernel[(max(n_chunks, triton.cdiv(n_blocks, _BLOCKS_PER_STEP)),)](
+        topk_ids, sorted_ids, block_expert, P, n_chunks, n_blocks, E=num_experts,
+        EP=triton.next_power_of_2(num_experts), CH=ch, BLOCK_M=block_m, BB=_BLOCKS_PER_STEP,
+        num_warps=8 if ch >= 1024 else 4)
     return sorted_ids, block_expert

@@ -54,9 +54,10 @@ def _expected_alignment(ids: torch.Tensor, E: int, block_m: int):
 
 
 @pytest.mark.parametrize("T,k,E,block_m,max_chunk", [(9, 2, 6, 4, 4096), (7, 3, 12, 16, 4096), (1, 1, 6, 16, 4096),
-                                                     (37, 3, 12, 8, 16)])
+                                                     (37, 3, 12, 8, 16), (64, 2, 60, 16, 4096)])
 def test_align(monkeypatch, T, k, E, block_m, max_chunk):
-    # max_chunk 16: several programs, each histogramming every chunk and writing only its own.
+    # max_chunk 16: several programs, each histogramming every chunk and writing only its own. (64, 2, 60, 16): one
+    # chunk, 65 row blocks: three programs, two of them with row blocks only.
     monkeypatch.setattr(align_mod, "_MAX_CHUNK", max_chunk)
     gen = torch.Generator().manual_seed(T)
     ids = _skewed_ids(T) if (k, E) == (2, 6) else torch.randint(0, E, (T, k), generator=gen)
