@@ -56,6 +56,7 @@ from kernels.attention_reference import check_attention_args
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import dot_dtype, pdl_launch
 from kernels.qk_norm_rope import check_head_view, to_bf16
+from kernels.rmsnorm import check_eps
 
 _BLOCK_N = 64  # keys per loop step: K and V tiles of 16 KB each at D = 128, loaded together
 _SMS = 132  # H200
@@ -355,5 +356,4 @@ def _check_new_kv(new_kv: NewKV, B: int, Hkv: int, D: int, device) -> None:
     check_tensor("new_kv.q_weight", new_kv.q_weight, torch.bfloat16, (D,), device)
     check_tensor("new_kv.k_weight", new_kv.k_weight, torch.bfloat16, (D,), device)
     check_tensor("new_kv.inv_freq", new_kv.inv_freq, torch.float32, (D // 2,), device)
-    if isinstance(new_kv.eps, bool) or not isinstance(new_kv.eps, int | float) or not new_kv.eps >= 0:
-        raise ValueError(f"new_kv.eps must be a non-negative float, got {new_kv.eps!r}")
+    check_eps(new_kv.eps, "new_kv.eps")

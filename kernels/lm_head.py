@@ -57,7 +57,7 @@ def _config(T: int, H: int) -> Config:
 
 @triton.jit
 def _lm_head_kernel(h_ptr, w_ptr, out_ptr, T, V, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr):
+                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     k = tl.arange(0, BLOCK_K)
@@ -96,7 +96,7 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, *, out: torch.Ten
     if grid[1] > 65535:  # the grid's second dimension, a CUDA limit
         raise ValueError(f"weight has {V} rows, more than {65535 * _BLOCK_V}")
     _lm_head_kernel[grid](hidden, weight, out, T, V, H=H, BLOCK_T=cfg.block_t, BLOCK_V=_BLOCK_V, BLOCK_K=cfg.block_k,
-                  NUM_STAGES=cfg.num_stages, DOT=dot_dtype(), num_warps=cfg.num_warps)
+                          NUM_STAGES=cfg.num_stages, DOT=dot_dtype(), num_warps=cfg.num_warps)
     return out
 
 

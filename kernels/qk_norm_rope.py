@@ -40,6 +40,7 @@ import triton.language as tl
 
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import pdl_launch
+from kernels.rmsnorm import check_eps
 
 
 @triton.jit
@@ -63,10 +64,10 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr, k_cache_ptr,
-            v_cache_ptr, eps, S, N, L, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
-            HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr,
-            PDL: tl.constexpr):
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr,
+                         k_cache_ptr, v_cache_ptr, eps, S, N, L, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+                         HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+                         D: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
@@ -149,8 +150,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     check_tensor("q_weight", q_weight, torch.bfloat16, (D,), dev)
     check_tensor("k_weight", k_weight, torch.bfloat16, (D,), dev)
     check_tensor("inv_freq", inv_freq, torch.float32, (D // 2,), dev)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative Python float, got {eps!r}")
+    check_eps(eps)
     for name, idx, shape in (("positions", positions, (B, S)), ("slots", slots, (B,))):
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be an int32 or int64 tensor, got {getattr(idx, 'dtype', type(idx))}")
@@ -170,9 +170,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     if B * S == 0:
         return q_out
     _qk_norm_rope_kernel[(B * S,)](q, k, v, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache,
-                      float(eps), S, N, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                      HQ=Hq, HKV=Hkv, HQ_P=triton.next_power_of_2(Hq), HKV_P=triton.next_power_of_2(Hkv), D=D,
-                      num_warps=4, **pdl_launch())
+                                   float(eps), S, N, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                   HQ=Hq, HKV=Hkv, HQ_P=triton.next_power_of_2(Hq),
+                                   HKV_P=triton.next_power_of_2(Hkv), D=D, num_warps=4, **pdl_launch())
     return q_out
 
 

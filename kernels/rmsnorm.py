@@ -24,8 +24,6 @@ H * 2 read per program (weight).
 Outputs must not overlap inputs (checked): in-place use is not supported.
 """
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
@@ -55,8 +53,8 @@ def round_bf16(v, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-            ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, X_F32: tl.constexpr,
-            INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                    ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, X_F32: tl.constexpr,
+                    INTERPRET: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -90,10 +88,11 @@ def _launch_shape(H: int) -> tuple[int, int, int]:
     return block, rows, min(16, max(1, rows * block // 256))
 
 
-def check_eps(eps) -> None:
-    """An RMSNorm epsilon: a real number >= 0 (NaN refused), checked before any launch."""
-    if not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+def check_eps(eps, name: str = "eps") -> None:
+    """An RMSNorm epsilon: a Python int or float >= 0 (NaN and bools refused), checked before any launch; the error
+    names it as the caller calls it."""
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {eps!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
@@ -137,10 +136,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if T > 0:
         block, rows, warps = _launch_shape(H)
         _rmsnorm_kernel[(triton.cdiv(T, rows),)](x, x if residual is None else residual, weight, out,
-                                         out if residual_out is None else residual_out, T, float(eps), H=H,
-                                         BLOCK=block, ROWS=rows, HAS_RES=residual is not None,
-                                         RES_F32=res_f32, X_F32=x_f32, INTERPRET=triton.knobs.runtime.interpret,
-                                         num_warps=warps, enable_fp_fusion=False, **pdl_launch())
+                                                 out if residual_out is None else residual_out, T, float(eps), H=H,
+                                                 BLOCK=block, ROWS=rows, HAS_RES=residual is not None,
+                                                 RES_F32=res_f32, X_F32=x_f32,
+                                                 INTERPRET=triton.knobs.runtime.interpret, num_warps=warps,
+                                                 enable_fp_fusion=False, **pdl_launch())
     return out, residual_out
 
 

@@ -34,7 +34,7 @@ from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import pdl_launch
 from kernels.rmsnorm import rms_norm_reference
 from kernels.router_topk import MAX_E, check_capture_out, router_topk_reference, softmax_topk_store
-from kernels.skinny_linear import _config, check_add_norm, check_skinny, kernel_constexprs, skinny_rows
+from kernels.skinny_linear import check_add_norm, check_skinny, kernel_constexprs, launch_config, skinny_rows
 
 MAX_T_NORM = 8  # tokens with add_norm: the norm prologue holds every token's row (T = 16 spilled at H 2048, sm_90)
 _TOPK_ROWS = 4  # tokens per step of the last program's top-k (router_topk's rows per program)
@@ -99,9 +99,7 @@ def router_gate_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int
         normed, summed = torch.empty(T, H, dtype=torch.bfloat16, device=device), torch.empty_like(residual)
     if T == 0:
         return Routing(weights, ids, normed, summed)
-    cfg = _config(T, E, H, add_norm is not None)
-    if triton.knobs.runtime.interpret:  # a program costs ~ms there: few, wide ones (the sums are the same)
-        cfg = cfg._replace(block_n=min(64, triton.next_power_of_2(E)))
+    cfg = launch_config(T, E, H, add_norm is not None)
     grid = triton.cdiv(E, cfg.block_n)
     bt = triton.next_power_of_2(T)
     logits = torch.empty(T, E, dtype=torch.float32, device=device)

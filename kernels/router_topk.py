@@ -70,8 +70,8 @@ def _topk(key, ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr):
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, cap_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
-            LOG_K: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr, CAPTURE: tl.constexpr,
-            INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                        LOG_K: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr,
+                        CAPTURE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: wait for the previous kernel before any memory access
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -154,10 +154,10 @@ def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *, weigh
     if T > 0:
         capture = ids if capture_out is None else capture_out  # a placeholder pointer when there is no capture
         _router_topk_kernel[(triton.cdiv(T, rows),)](logits, weights, ids, capture, T, E=E, K=top_k,
-                                         LOG_E=(E - 1).bit_length(), LOG_K=(top_k - 1).bit_length(), ROWS=rows,
-                                         BF16=logits.dtype == torch.bfloat16, NORM=bool(norm_topk_prob),
-                                         CAPTURE=capture_out is not None, INTERPRET=interpret, num_warps=_ROWS,
-                                         **pdl_launch())
+                                                     LOG_E=(E - 1).bit_length(), LOG_K=(top_k - 1).bit_length(),
+                                                     ROWS=rows, BF16=logits.dtype == torch.bfloat16,
+                                                     NORM=bool(norm_topk_prob), CAPTURE=capture_out is not None,
+                                                     INTERPRET=interpret, num_warps=_ROWS, **pdl_launch())
     return weights, ids
 
 

@@ -87,6 +87,16 @@ def _config(T: int, N: int, K: int, norm: bool = False) -> Config:
     return Config(block_n, block_k, warps)
 
 
+def launch_config(T: int, N: int, K: int, norm: bool = False) -> Config:
+    """_config's launch, except under Triton's interpreter, which runs programs one after another at ~ms each:
+    there a program takes up to 64 rows. Each output is still the same sum along K, so the values do not change.
+    (Also kernels/router_gate_topk.py's launch.)"""
+    cfg = _config(T, N, K, norm)
+    if triton.knobs.runtime.interpret:
+        cfg = cfg._replace(block_n=min(64, triton.next_power_of_2(N)))
+    return cfg
+
+
 @triton.jit
 def _after_weights(w, xf, N, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    LANES: tl.constexpr):
@@ -273,11 +283,7 @@ def _out(out, shape, dtype, x, weight) -> torch.Tensor:
 def _launch(x, weight, out, config, residual, norm_weight, summed, normed, eps, *, norm: bool) -> None:
     T, K = x.shape
     N = weight.shape[0]
-    cfg = config or _config(T, N, K, norm)
-    if config is None and triton.knobs.runtime.interpret:
-        # The interpreter runs programs one after another at ~ms each: there a program takes up to 64 rows. Each
-        # output is still the same sum along K, so the values do not change.
-        cfg = cfg._replace(block_n=min(64, triton.next_power_of_2(N)))
+    cfg = config or launch_config(T, N, K, norm)
     if not (_pow2(cfg.block_n) and _pow2(cfg.block_k) and cfg.block_k >= 8 and _pow2(cfg.num_warps)
             and cfg.num_warps <= 16 and K <= 64 * cfg.block_k and (not norm or K <= cfg.block_k)):
         raise ValueError(f"config {cfg}: powers of two, block_k >= 8, num_warps <= 16, K = {K} in <= 64 chunks"

@@ -181,6 +181,8 @@ def test_fused_norm_rope_edges_and_errors():
         decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(v=v.contiguous()))
     with pytest.raises(ValueError, match="new_kv.k_weight must have shape"):
         decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(k_weight=new_kv.k_weight[:4]))
+    with pytest.raises(ValueError, match="new_kv.eps must be a non-negative number"):
+        decode_attention(q, k_cache, v_cache, slots, positions, new_kv=new_kv._replace(eps=-1.0))
     with pytest.raises(ValueError, match="q must be a bfloat16 view with contiguous heads"):
         decode_attention(q.transpose(2, 3), k_cache, v_cache, slots, positions, new_kv=new_kv)
 

@@ -147,6 +147,7 @@ def _bad_cases():
         "outputs overlap": (dict(out=wide[:2].view(4, 64), residual_out=wide[1:3].view(4, 64)), ValueError,
                             "residual_out overlaps out"),
         "eps": (dict(eps=-1.0), ValueError, "eps must be"),
+        "eps bool": (dict(eps=True), ValueError, "eps must be a non-negative number"),
     }, dict(x=x, weight=w, eps=EPS, residual=r)
 
 
