@@ -14,10 +14,13 @@ printed and skipped. About 3 minutes on an H200 (much of it compiling the 80 ker
 --dequant f16_rel tunes that variant of the GEMMs (FP16 dots, kernels/mx_tiles.py) into its own table,
 expert_centric_<gpu>_f16_rel.json (same format, no crossover: `auto` keeps the BF16 table's), and skips warp
 decode. --dequant fp8 tunes the FP8-dot GEMMs (kernels/moe_gate_up_fp8.py, moe_down_fp8.py) into
-expert_centric_<gpu>_fp8.json, with its own crossover against warp decode. --quick keeps one num_stages per
-tile (3), halving the grid, for a short check of a variant.
+expert_centric_<gpu>_fp8.json, with its own crossover against warp decode (its full grid adds BLOCK_K 256 and
+num_stages 5). --quick keeps one num_stages per tile (3), halving the grid, for a short check of a variant.
+--verbose prints every candidate's time; --block-m tries the given BLOCK_M values at every T instead of those
+near T * k / E.
 
-Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick]
+Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick] [--verbose]
+       [--block-m 16,32]
 writes DIR/expert_centric_<gpu>[_f16_rel].json (default kernels/configs/, where the launcher reads it), prints a
 table.
 """
@@ -69,9 +72,9 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
         # rows per program share each activation tile among more weights (the GEMMs are L2-bound: docs/perf.md).
         for bn in (32, 64, 128):
             m = bn * (2 if kernel == "gate_up" else 1)
-            for bk in (64, 128):
+            for bk in (64, 128) if quick else (64, 128, 256):
                 for warps in {64: (4,), 128: (8, 4), 256: (16,)}.get(m, ()):
-                    out += [GemmConfig(bn, bk, warps, st) for st in ((3,) if quick else (2, 3, 4))]
+                    out += [GemmConfig(bn, bk, warps, st) for st in ((3,) if quick else (2, 3, 4, 5))]
         return out
     for bn in (64, 128):
         acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
@@ -85,12 +88,14 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
     return out
 
 
-def best(label, configs, call, reps):
+def best(label, configs, call, reps, verbose=False):
     """(µs of one replay over all layers, config) of the fastest candidate; `call(cfg)` runs every layer once."""
     timed = []
     for cfg in configs:
         try:
             timed.append((time_graph(lambda cfg=cfg: call(cfg), reps), cfg))
+            if verbose:
+                print(f"    {label} {short(cfg)}: {timed[-1][0]:.1f} µs", flush=True)
         except Exception as exc:  # a failing candidate is reported and skipped
             print(f"  FAILED {label} {short(cfg)}: {str(exc).splitlines()[0][:200]}", flush=True)
     if not timed:
@@ -98,7 +103,7 @@ def best(label, configs, call, reps):
     return min(timed, key=lambda x: x[0])
 
 
-def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False):
+def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False, block_m=None):
     H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
     inputs = make_inputs(T, H, E, k, layers, seed=T)
     device = inputs[0][0].device
@@ -106,7 +111,7 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False):
     results = []
     fp8 = dequant == "fp8"
     xs = [fp8_split_rows(h) if fp8 else h for h, _, _ in inputs]
-    for bm in block_ms(T, k, E):
+    for bm in block_m or block_ms(T, k, E):
         aligned = [moe_align(ids, E, bm) for _, _, ids in inputs]
         if fp8:
             acts = [FP8Split.empty(s.shape[0], I, I // 32, device) for s, _ in aligned]
@@ -131,9 +136,10 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False):
                 else:
                     moe_down(act, s, b, wts, w[1], part, **kw, dequant=dequant)
 
-        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick, fp8), gate_up, reps)
+        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick, fp8), gate_up, reps,
+                          verbose)
         gate_up(gu)  # real act values for down
-        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick, fp8), down, reps)
+        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick, fp8), down, reps, verbose)
         print(f"  T={T} block_m={bm}: gate_up {gu_us / layers:.1f} µs ({short(gu)}), down {dn_us / layers:.1f} µs "
               f"({short(dn)})", flush=True)
         results.append((gu_us + dn_us, ExpertCentricConfig(bm, gu, dn)))
@@ -162,6 +168,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=240, help="no new bucket is started after this many seconds")
     parser.add_argument("--dequant", default="bf16", choices=("bf16", "f16_rel", "fp8"))
     parser.add_argument("--quick", action="store_true", help="one num_stages per tile: a short check of a variant")
+    parser.add_argument("--verbose", action="store_true", help="print every candidate's time")
+    parser.add_argument("--block-m", default="", help="BLOCK_M values to try at every T (default: near T * k / E)")
     args = parser.parse_args()
     start = time.time()
     H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
@@ -173,7 +181,8 @@ def main():
             print(f"WARNING: over the {args.budget_s:.0f} s budget, T >= {T} not tuned (the launcher takes the nearest "
                   "tuned bucket there)", flush=True)
             break
-        cfg, ec_us, err, inputs = tune_bucket(T, mx, args.layers, args.reps, args.dequant, args.quick)
+        cfg, ec_us, err, inputs = tune_bucket(T, mx, args.layers, args.reps, args.dequant, args.quick,
+                                             args.verbose, [int(m) for m in args.block_m.split(",") if m])
         row = dict(expert_centric_us=round(ec_us, 2), rel_err=float(f"{err:.3g}"))
         if ec_wins < 2 and args.dequant != "f16_rel":  # f16_rel (opt-in) keeps the BF16 table's crossover
             outs = [torch.empty_like(h) for h, _, _ in inputs]
