@@ -73,15 +73,17 @@ class EngineConfig:
     max_prefill_tokens: the prompt tokens one engine step prefills, at most; a longer prompt is prefilled in chunks
     over several steps, each followed by a decode step of the live sequences (so they never wait for a whole long
     prompt).
-    cuda_graphs: capture each decode batch bucket as a CUDA graph at start-up and replay it (CUDA and a Triton MoE
-    path only; engine/graphs.py)."""
+    cuda_graphs: capture each decode batch bucket as a CUDA graph at start-up and replay it (engine/graphs.py):
+    null (the default) wherever that can run, a CUDA device and a Triton MoE path; true requires it (an error on the
+    CPU or with kernel=torch); false keeps eager steps. On the H200 the 30B rollout job went from 257.5 tokens/s
+    (eager, warp_decode) to 560 with graphs and kernel=auto (docs/perf.md)."""
 
     max_num_seqs: int = 16
     max_model_len: int | None = None
     device: str | None = None  # None: cuda when available, else cpu
     gpu_memory_fraction: float = 0.9
     max_prefill_tokens: int = 2048
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
     def __post_init__(self):
         check_fraction(self.gpu_memory_fraction)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from composer_rollout import RolloutEngine, SamplingParams
+from composer_rollout.config import EngineConfig
 from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.model import Qwen3MoE, preset
 from composer_rollout.model.checkpoint import hub_state_dict
@@ -84,6 +85,16 @@ def test_unknown_dense_backend_and_cpu_graphs_are_refused():
 def test_graphs_need_a_triton_moe_path():
     with pytest.raises(ValueError, match="cuda_graphs needs a Triton MoE path"):
         RolloutEngine(model("triton"), max_num_seqs=2, max_model_len=16, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "warp_decode"])
+def test_graphs_by_default_wherever_they_can_run(kernel):
+    """cuda_graphs=None (the jobs' default, EngineConfig): captured on a CUDA device with a Triton MoE path, eager
+    on the CPU or with the torch path, never an error."""
+    engine = RolloutEngine(model("triton", kernel=kernel, layers=1), max_num_seqs=2, max_model_len=16,
+                           cuda_graphs=None)
+    assert (engine.graphs is not None) == (DEVICE == "cuda" and kernel != "torch")
+    assert EngineConfig().cuda_graphs is None
 
 
 @pytest.mark.gpu

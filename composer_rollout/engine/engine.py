@@ -51,11 +51,15 @@ class RolloutEngine:
     """Requests in (`add_request`), finished samples out (`step`); `generate` is both in one call."""
 
     def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048, cuda_graphs: bool = False):
+                 gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048, cuda_graphs: bool | None = False):
+        """cuda_graphs: True captures the decode steps (an error where that cannot run), None wherever it can run
+        (a CUDA device and a Triton MoE path; the jobs' default), False never."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and model.kernel != "torch"
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError(f"engine.cuda_graphs needs a CUDA device; the model is on {model.device}")
         if cuda_graphs and model.kernel == "torch":
@@ -84,7 +88,7 @@ class RolloutEngine:
                         dtype: str = "bfloat16", device: str | None = None, seed: int = 0,
                         max_num_seqs: int = 16, max_model_len: int | None = None,
                         gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048,
-                        cuda_graphs: bool = False) -> "RolloutEngine":
+                        cuda_graphs: bool | None = False) -> "RolloutEngine":
         """A checkpoint directory, or a preset name (random init seeded with `seed`)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is unknown; choose one of {sorted(DTYPES)}")
