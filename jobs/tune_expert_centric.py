@@ -88,6 +88,10 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
     return out
 
 
+def int_list(text: str) -> list[int]:
+    return [int(m) for m in text.split(",") if m]
+
+
 def best(label, configs, call, reps, verbose=False):
     """(µs of one replay over all layers, config) of the fastest candidate; `call(cfg)` runs every layer once."""
     timed = []
@@ -169,7 +173,8 @@ def main():
     parser.add_argument("--dequant", default="bf16", choices=("bf16", "f16_rel", "fp8"))
     parser.add_argument("--quick", action="store_true", help="one num_stages per tile: a short check of a variant")
     parser.add_argument("--verbose", action="store_true", help="print every candidate's time")
-    parser.add_argument("--block-m", default="", help="BLOCK_M values to try at every T (default: near T * k / E)")
+    parser.add_argument("--block-m", type=int_list, default=[],
+                        help="BLOCK_M values to try at every T, comma-separated (default: near T * k / E)")
     args = parser.parse_args()
     start = time.time()
     H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
@@ -182,7 +187,7 @@ def main():
                   "tuned bucket there)", flush=True)
             break
         cfg, ec_us, err, inputs = tune_bucket(T, mx, args.layers, args.reps, args.dequant, args.quick,
-                                             args.verbose, [int(m) for m in args.block_m.split(",") if m])
+                                             args.verbose, args.block_m)
         row = dict(expert_centric_us=round(ec_us, 2), rel_err=float(f"{err:.3g}"))
         if ec_wins < 2 and args.dequant != "f16_rel":  # f16_rel (opt-in) keeps the BF16 table's crossover
             outs = [torch.empty_like(h) for h, _, _ in inputs]
