@@ -14,10 +14,10 @@ printed and skipped. About 3 minutes on an H200 (much of it compiling the 80 ker
 --dequant f16_rel tunes that variant of the GEMMs (FP16 dots, kernels/mx_tiles.py) into its own table,
 expert_centric_<gpu>_f16_rel.json (same format, no crossover: `auto` keeps the BF16 table's), and skips warp
 decode. --dequant fp8 tunes the FP8-dot GEMMs (kernels/moe_gate_up_fp8.py, moe_down_fp8.py) into
-expert_centric_<gpu>_fp8.json, with its own crossover against warp decode (its full grid adds BLOCK_K 256 and
-num_stages 5). --quick keeps one num_stages per tile (3), halving the grid, for a short check of a variant.
---verbose prints every candidate's time; --block-m tries the given BLOCK_M values at every T instead of those
-near T * k / E.
+expert_centric_<gpu>_fp8.json, with its own crossover against warp decode (every tile with and without TMA
+weight loads; the full grid adds BLOCK_K 256 and num_stages 5). --quick keeps one num_stages per tile (3),
+halving the grid, for a short check of a variant. --verbose prints every candidate's time; --block-m tries the
+given BLOCK_M values at every T instead of those near T * k / E.
 
 Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick] [--verbose]
        [--block-m 16,32]
@@ -74,7 +74,8 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
             m = bn * (2 if kernel == "gate_up" else 1)
             for bk in (64, 128) if quick else (64, 128, 256):
                 for warps in {64: (4,), 128: (8, 4), 256: (16,)}.get(m, ()):
-                    out += [GemmConfig(bn, bk, warps, st) for st in ((3,) if quick else (2, 3, 4, 5))]
+                    out += [GemmConfig(bn, bk, warps, st, tma) for st in ((3,) if quick else (2, 3, 4, 5))
+                            for tma in (False, True)]
         return out
     for bn in (64, 128):
         acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
@@ -127,7 +128,7 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
                 kw = dict(num_pairs=T * k, top_k=k, block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
                 if fp8:
-                    moe_gate_up_fp8(x, s, b, w[0], act, **kw)
+                    moe_gate_up_fp8(x, s, b, w[0], act, **kw, tma=cfg.tma)
                 else:
                     moe_gate_up(x, s, b, w[0], act, **kw, dequant=dequant)
 
@@ -136,7 +137,7 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
                 kw = dict(block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages)
                 if fp8:
-                    moe_down_fp8(act, s, b, wts, w[1], part, **kw)
+                    moe_down_fp8(act, s, b, wts, w[1], part, **kw, tma=cfg.tma)
                 else:
                     moe_down(act, s, b, wts, w[1], part, **kw, dequant=dequant)
 
@@ -159,7 +160,7 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
 def short(cfg) -> str:
     """'n128 k64 w8 s3' for a GemmConfig, 'm64 | gate_up ... | down ...' for an ExpertCentricConfig."""
     if isinstance(cfg, GemmConfig):
-        return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
     return f"m{cfg.block_m} | gate_up {short(cfg.gate_up)} | down {short(cfg.down)}"
 
 

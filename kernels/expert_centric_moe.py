@@ -79,6 +79,7 @@ class GemmConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
     def __post_init__(self):
         # tl.dot needs every dimension >= 16; tiles load as [block_k / 32, 32] groups, a power of two of them.
@@ -91,7 +92,8 @@ class GemmConfig:
 @dataclass(frozen=True)
 class ExpertCentricConfig:
     """block_m: rows (pairs) per GEMM block, shared by both GEMMs since it sets the alignment; block_n: weight
-    rows per program (the MMA's M dimension); block_k: reduction step (a multiple of 32)."""
+    rows per program (the MMA's M dimension); block_k: reduction step (a multiple of 32); tma (dequant "fp8" only):
+    the weight tiles come by TMA (the copy engine, one instruction per box) instead of per-thread cp.async."""
 
     block_m: int = 64
     gate_up: GemmConfig = field(default_factory=GemmConfig)
@@ -208,6 +210,8 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if dequant == "fp8":
         _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg, out)
         return out
+    if cfg.gate_up.tma or cfg.down.tma:
+        raise ValueError(f"tma is a tile option of dequant 'fp8' only, got dequant {dequant!r}")
     mx_act = act_dtype == "mxfp8"
     x = mxfp8_quantize(hidden) if mx_act else hidden
     # Zeros for the quantizer's sake: rows of blocks past the last expert are never written (nor read).
@@ -233,10 +237,11 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg: Exp
     g, d = cfg.gate_up, cfg.down
     moe_gate_up_fp8(fp8_split_rows(hidden), sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k,
                     block_m=cfg.block_m, block_n=g.block_n, block_k=math.gcd(g.block_k, H), num_warps=g.num_warps,
-                    num_stages=g.num_stages)
+                    num_stages=g.num_stages, tma=g.tma)
     part = torch.empty((T * k, H), dtype=torch.float32, device=dev)
     moe_down_fp8(act, sorted_ids, block_expert, topk_weights, w2, part, block_m=cfg.block_m,
-                 block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages)
+                 block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages,
+                 tma=d.tma)
     moe_combine(part, out, k)
 
 

@@ -11,6 +11,8 @@ Program (n block of H, row block): each 32-wide K group is one FP8 dot against t
 by side (kernels/moe_gate_up_fp8.py says why one), each column pair added and the sum promoted into the FP32
 accumulator times the outer product of the weight rows' and the slots' scales of that group (a multiply and an FMA
 per accumulator element per 32 of K: 2 * BLOCK_M / 32 per weight).
+Weight tiles: per-thread cp.async, or with `tma` TMA boxes ([BLOCK_N, 32] of w2 viewed [E * H, I]), as in
+kernels/moe_gate_up_fp8.py.
 Bytes: each touched expert's w2 once (H * I * (1 + 1/32)), act read S * I * (2 + 1/32) (mostly from L2), part
 written P * H * 4.
 """
@@ -22,14 +24,14 @@ import triton.language as tl
 from kernels.fp8_split import FP8Split
 from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import block_slots, fp8_split_dot, packed_scale, packed_scales
+from kernels.mx_tiles import block_slots, fp8_split_dot, packed_scale, packed_scales, tma_descriptor
 from kernels.mxfp8 import MXFP8Tensor
 
 
 @triton.jit
-def _down_fp8_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.constexpr,
-                     I: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _down_fp8_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, w_desc, s_ptr, part_ptr, P,
+                     H: tl.constexpr, I: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -57,7 +59,10 @@ def _down_fp8_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr,
         for j in tl.static_range(BLOCK_K // 32):
             kk = k0 + j * 32 + c
             a = tl.load(a_ptr + arow[None, :] * I + kk[:, None], mask=col_ok[None, :], other=0.0)
-            w = tl.load(wd + n[:, None] * I + kk[None, :], mask=n_ok[:, None], other=0.0)
+            if TMA:
+                w = w_desc.load([(e * H + nb * BLOCK_N).to(tl.int32), k0 + j * 32])
+            else:
+                w = tl.load(wd + n[:, None] * I + kk[None, :], mask=n_ok[:, None], other=0.0)
             acc += fp8_split_dot(w, a, F32_DOT) * (packed_scale(sw, j)[:, None] * packed_scale(sa, j)[None, :])
     rw = tl.load(rw_ptr + pair, mask=ok, other=0.0).to(tl.float32)
     tl.store(part_ptr + pair[None, :].to(tl.int64) * H + n[:, None], acc * rw[None, :],
@@ -65,7 +70,8 @@ def _down_fp8_kernel(a_ptr, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr,
 
 
 def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP8Tensor, part, *, block_m: int,
-                 block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                 block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
+                 tma: bool = False) -> torch.Tensor:
     """part[p] = topk_weights[p] * w2[e] @ act[s] for the pair p in slot s, e = block_expert[s // block_m];
     writes and returns `part` [P, H] fp32."""
     device = sorted_ids.device
@@ -81,8 +87,11 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
     if block_k % 32 or I % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing I={I}")
     grid = (triton.cdiv(H, block_n), S // block_m)
+    # TMA: [block_n, 32] boxes of w2 viewed [E * H, I]; a box past an expert's H rows reads the next expert's
+    # (finite values whose outputs are masked at the store), past the last expert's zeros.
+    w_desc = tma_descriptor("w2", w2.data.view(E * H, I), [block_n, 32]) if tma else w2.data
     _down_fp8_kernel[grid](act.data, packed_scales(act.scales, block_k), sorted_ids, block_expert, topk_weights,
-                           w2.data, packed_scales(w2.scales, block_k), part, P, H, I,
-                           F32_DOT=triton.knobs.runtime.interpret, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                           num_warps=num_warps, num_stages=num_stages)
+                           w2.data, w_desc, packed_scales(w2.scales, block_k), part, P, H, I,
+                           F32_DOT=triton.knobs.runtime.interpret, TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n,
+                           BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return part

@@ -17,6 +17,9 @@ accumulator, so it is not pipelined), and v1's four waits per group left the ten
 token scale joins after the K loop. The epilogue splits act per 32 rows of I (BLOCK_N is a multiple of 32), so the
 down GEMM takes FP8 operands too. Error: hidden splits exactly (BF16, kernels/fp8_split.py); act keeps ~8 bits as
 when stored in BF16; each FP8 dot sums 32 exact products.
+Weight tiles come by per-thread cp.async, or with `tma` as one TMA box per group ([1, 2, BLOCK_N, 32] of w13
+viewed [E, 2, I, H]: the group's gate and up rows together, rows past I zero-filled), which frees the load queues
+that sm_90 stall sampling found busy (docs/perf.md); the tuner measures both.
 Bytes: each touched expert's w13 once (2 * I * H * (1 + 1/32)), hidden 2 * T * H (+ rows re-read from L2),
 act written S * I * (2 + 1/32).
 """
@@ -27,14 +30,14 @@ import triton.language as tl
 
 from kernels.fp8_split import FP8Split, split_codes, split_e4m3
 from kernels.moe_align import check_alignment
-from kernels.mx_tiles import block_slots, e8m0_to_f32, fp8_split_dot, packed_scale, packed_scales
+from kernels.mx_tiles import block_slots, e8m0_to_f32, fp8_split_dot, packed_scale, packed_scales, tma_descriptor
 from kernels.mxfp8 import MXFP8Tensor
 
 
 @triton.jit
-def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, s_ptr, a_ptr, as_ptr, P, H: tl.constexpr,
-                        I: tl.constexpr, K_TOP: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, w_desc, s_ptr, a_ptr, as_ptr, P,
+                        H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -63,7 +66,10 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, s_pt
         for j in tl.static_range(BLOCK_K // 32):
             kk = k0 + j * 32 + c
             x = tl.load(x_ptr + xrow[None, :] * H + kk[:, None], mask=col_ok[None, :], other=0.0)
-            w = tl.load(wd + wrow[:, None] * H + kk[None, :], mask=r_ok[:, None], other=0.0)
+            if TMA:
+                w = tl.reshape(w_desc.load([e.to(tl.int32), 0, nb * BLOCK_N, k0 + j * 32]), (2 * BLOCK_N, 32))
+            else:
+                w = tl.load(wd + wrow[:, None] * H + kk[None, :], mask=r_ok[:, None], other=0.0)
             acc += fp8_split_dot(w, x, F32_DOT) * packed_scale(sw, j)[:, None]
     slot, pair, ok = block_slots(sorted_ptr, mb, P, BLOCK_M)
     acc *= e8m0_to_f32(tl.load(xs_ptr + tl.where(ok, pair // K_TOP, 0), mask=ok, other=127))[None, :]
@@ -83,7 +89,7 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, s_pt
 
 def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act: FP8Split, *, num_pairs: int,
                     top_k: int, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
-                    num_stages: int = 3) -> FP8Split:
+                    num_stages: int = 3, tma: bool = False) -> FP8Split:
     """act[s] = split(silu(hidden[t] @ gate[e].T) * (hidden[t] @ up[e].T)) for the pair t * k + j in slot s, routed
     to expert e = block_expert[s // block_m]; writes and returns `act`. x: the hidden rows split per token."""
     device = sorted_ids.device
@@ -99,8 +105,10 @@ def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing H={H}, and block_n={block_n} and "
                          f"I={I} multiples of 32 (the scale groups)")
     grid = (triton.cdiv(I, block_n), S // block_m)
-    _gate_up_fp8_kernel[grid](x.data, x.scales, sorted_ids, block_expert, w13.data, packed_scales(w13.scales, block_k),
-                              act.data.view(torch.uint8), act.scales, num_pairs, H, I, K_TOP=top_k,
-                              F32_DOT=triton.knobs.runtime.interpret, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    # TMA: the step's gate and up rows as one [1, 2, block_n, 32] box of w13 viewed [E, 2, I, H] (rows past I read 0).
+    w_desc = tma_descriptor("w13", w13.data.view(E, 2, I, H), [1, 2, block_n, 32]) if tma else w13.data
+    _gate_up_fp8_kernel[grid](x.data, x.scales, sorted_ids, block_expert, w13.data, w_desc,
+                              packed_scales(w13.scales, block_k), act.data.view(torch.uint8), act.scales, num_pairs, H,
+                              I, K_TOP=top_k, F32_DOT=triton.knobs.runtime.interpret, TMA=tma, BLOCK_M=block_m,
+                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return act

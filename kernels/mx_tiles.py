@@ -25,6 +25,7 @@ FP16 values are computed, then widened to FP32 for the dot.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.mxfp8 import MXFP8Tensor
 
@@ -132,6 +133,15 @@ def fp8_split_dot(w, x, F32: tl.constexpr):
     else:
         d = tl.dot(w, x)
     return tl.sum(tl.reshape(d, (d.shape[0], d.shape[1] // 2, 2)), axis=2)
+
+
+def tma_descriptor(name: str, data: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of `data` (unit stride last, 16-byte aligned base and strides, as the copy engine
+    needs) loading `block`-shaped boxes; out-of-bounds parts of a box read as zero."""
+    if data.stride(-1) != 1 or data.data_ptr() % 16 or any(s * data.element_size() % 16 for s in data.stride()[:-1]):
+        raise ValueError(f"{name} for TMA needs a 16-byte aligned base and row strides with unit stride last, got "
+                         f"strides {data.stride()} at offset {data.data_ptr() % 16} of 16")
+    return TensorDescriptor.from_tensor(data, block)
 
 
 _PACKED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

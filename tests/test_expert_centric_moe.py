@@ -131,15 +131,20 @@ def test_f16_rel_matches_reference(case):
 FP8_CPU_CONFIG = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32))
 
 
-@pytest.mark.parametrize("case", ["mxfp8_odd", "mxfp8_skewed", "mxfp8_k1_e12", "packed_scales"])
+@pytest.mark.parametrize("case", ["mxfp8_odd", "mxfp8_skewed", "mxfp8_k1_e12", "packed_scales", "tma"])
 def test_fp8_matches_reference(case):
     """FP8 dots on the stored weights, hidden split exactly and act to ~8 bits: within the BF16 variant's bounds,
     and closer to FP32 than it (the interpreter truncates the BF16 variant's act; the split rounds to nearest).
-    packed_scales: block_k 128 for gate_up and 64 for down, so scales load 4 and 2 to a word (mx_tiles)."""
+    packed_scales: block_k 128 for gate_up and 64 for down, so scales load 4 and 2 to a word (mx_tiles). tma: the
+    weight tiles as TMA boxes, n blocks past I and H included (zeros, and the next expert's rows, masked)."""
     config = FP8_CPU_CONFIG
     if case == "packed_scales":
         args = _problem(T=6, k=2, E=5, H=256, I=128, mx=True, seed=4)
         config = ExpertCentricConfig(16, GemmConfig(64, 128), GemmConfig(64, 64))
+    elif case == "tma":
+        args = _problem(T=6, k=2, E=5, H=96, I=160, mx=True, seed=6)
+        config = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True))
+        assert torch.equal(_run(args, config=config, dequant="fp8"), _run(args, config=FP8_CPU_CONFIG, dequant="fp8"))
     elif case == "mxfp8_odd":
         args = _problem(T=7, k=3, E=6, H=96, I=160, mx=True, seed=1)
     elif case == "mxfp8_skewed":
@@ -355,6 +360,29 @@ def test_gpu_qwen3_30b_shape_dequant(dequant, T):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static.float(), out)
+
+
+def test_tma_refuses_misaligned_weights_and_other_modes():
+    args = _problem(T=3, k=2, E=5, H=96, I=160, mx=True, seed=7)
+    w13 = args[3]
+    shifted = MXFP8Tensor(torch.empty(w13.data.numel() + 1, dtype=w13.data.dtype, device=DEVICE)[1:]
+                          .view(w13.data.shape), w13.scales)
+    tma = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True))
+    with pytest.raises(ValueError, match="w13 for TMA needs a 16-byte aligned base"):
+        expert_centric_moe(*args[:3], shifted, args[4], config=tma, dequant="fp8")
+    with pytest.raises(ValueError, match="tma is a tile option of dequant 'fp8' only"):
+        expert_centric_moe(*args, config=tma, dequant="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 37, 64])
+def test_gpu_tma_matches_cp_async(T):
+    """TMA weight boxes at the 30B shape: the same operands reach the same dots, so the same bits as cp.async."""
+    args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=True, device="cuda", seed=50 + T)
+    outs = [_run(args, dequant="fp8", config=ExpertCentricConfig(16, GemmConfig(32, 128, tma=tma),
+                                                                  GemmConfig(64, 128, tma=tma)))
+            for tma in (True, False)]
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu
