@@ -135,10 +135,10 @@ def _stats(delta: torch.Tensor) -> dict:
 
 
 def attribute(model: Qwen3MoE, prompts: int, prompt_len: int, tokens: int, seed: int, leave_one_out: bool):
-    a, on_gpu = model.args, model.device.type == "cuda"
+    a = model.args
     rng = np.random.default_rng(seed)
     ps = [rng.integers(0, a.vocab_size, prompt_len).tolist() for _ in range(prompts)]
-    engine = RolloutEngine(model, max_num_seqs=prompts, max_model_len=prompt_len + tokens + 1, cuda_graphs=on_gpu)
+    engine = RolloutEngine(model, max_num_seqs=prompts, max_model_len=prompt_len + tokens + 1, cuda_graphs=None)
     results = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=tokens))
     del engine
     completions = [r.token_ids for r in results]

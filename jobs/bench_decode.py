@@ -159,7 +159,7 @@ def bench_longtail(model, slots, requests, prompt_len, max_len, seed):
     lengths = np.clip(rng.lognormal(math.log(max_len / 8), 1.0, requests), 16, max_len).astype(int)
     model.set_paths(kernel="auto")
     engine = RolloutEngine(model, max_num_seqs=slots, max_model_len=prompt_len + max_len, seed=seed,
-                           cuda_graphs=model.device.type == "cuda")
+                           cuda_graphs=None)
     for i, n in enumerate(lengths):
         prompt = rng.integers(0, model.args.vocab_size, prompt_len).tolist()
         engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=int(n), seed=i), prompt_index=i)
