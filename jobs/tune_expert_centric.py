@@ -17,10 +17,11 @@ decode. --dequant fp8 tunes the FP8-dot GEMMs (kernels/moe_gate_up_fp8.py, moe_d
 expert_centric_<gpu>_fp8.json, with its own crossover against warp decode (every tile with and without TMA
 weight loads; the full grid adds BLOCK_K 256 and num_stages 5). --quick keeps one num_stages per tile (3),
 halving the grid, for a short check of a variant. --verbose prints every candidate's time; --block-m tries the
-given BLOCK_M values at every T instead of those near T * k / E.
+given BLOCK_M values at every T instead of those near T * k / E; --num-stages and --tma (on/off/both) set those
+axes of the FP8 grid.
 
 Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick] [--verbose]
-       [--block-m 16,32]
+       [--block-m 16,32] [--num-stages 3,4] [--tma on|off|both]
 writes DIR/expert_centric_<gpu>[_f16_rel].json (default kernels/configs/, where the launcher reads it), prints a
 table.
 """
@@ -63,7 +64,8 @@ def block_ms(T: int, k: int, E: int) -> tuple[int, ...]:
     return (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 64 else (64, 128)
 
 
-def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False) -> list[GemmConfig]:
+def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False, stages: tuple[int, ...] = (),
+               tma: tuple[bool, ...] = (False, True)) -> list[GemmConfig]:
     out = []
     if fp8:  # block_k is only an unroll count of 32-wide FP8 steps there; each step's tiles are cp.async-pipelined
         # The dot's M: gate_up stacks gate and up rows. wgmma needs 64 rows per warpgroup (fewer fall back to mma.sync
@@ -74,8 +76,8 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
             m = bn * (2 if kernel == "gate_up" else 1)
             for bk in (64, 128) if quick else (64, 128, 256):
                 for warps in {64: (4,), 128: (8, 4), 256: (16,)}.get(m, ()):
-                    out += [GemmConfig(bn, bk, warps, st, tma) for st in ((3,) if quick else (2, 3, 4, 5))
-                            for tma in (False, True)]
+                    out += [GemmConfig(bn, bk, warps, st, t) for st in stages or ((3,) if quick else (2, 3, 4, 5))
+                            for t in tma]
         return out
     for bn in (64, 128):
         acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
@@ -108,7 +110,8 @@ def best(label, configs, call, reps, verbose=False):
     return min(timed, key=lambda x: x[0])
 
 
-def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False, block_m=None):
+def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False, block_m=None, grid=None):
+    """`grid`: candidates()'s stages and tma keywords (FP8 only)."""
     H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
     inputs = make_inputs(T, H, E, k, layers, seed=T)
     device = inputs[0][0].device
@@ -141,10 +144,10 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
                 else:
                     moe_down(act, s, b, wts, w[1], part, **kw, dequant=dequant)
 
-        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick, fp8), gate_up, reps,
+        gu_us, gu = best(f"T={T} bm={bm} gate_up", candidates("gate_up", bm, quick, fp8, **grid or {}), gate_up, reps,
                           verbose)
         gate_up(gu)  # real act values for down
-        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick, fp8), down, reps, verbose)
+        dn_us, dn = best(f"T={T} bm={bm} down", candidates("down", bm, quick, fp8, **grid or {}), down, reps, verbose)
         print(f"  T={T} block_m={bm}: gate_up {gu_us / layers:.1f} µs ({short(gu)}), down {dn_us / layers:.1f} µs "
               f"({short(dn)})", flush=True)
         results.append((gu_us + dn_us, ExpertCentricConfig(bm, gu, dn)))
@@ -176,7 +179,12 @@ def main():
     parser.add_argument("--verbose", action="store_true", help="print every candidate's time")
     parser.add_argument("--block-m", type=int_list, default=[],
                         help="BLOCK_M values to try at every T, comma-separated (default: near T * k / E)")
+    parser.add_argument("--num-stages", type=int_list, default=[],
+                        help="FP8 only: the num_stages values to try (default: 3 with --quick, else 2-5)")
+    parser.add_argument("--tma", default="both", choices=("both", "on", "off"),
+                        help="FP8 only: time each tile with TMA weight loads, without, or both")
     args = parser.parse_args()
+    grid = dict(stages=tuple(args.num_stages), tma={"both": (False, True), "on": (True,), "off": (False,)}[args.tma])
     start = time.time()
     H, I, E, k = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["k"]
     mx, _ = make_layers(H, I, E, args.layers, keep_bf16=0)
@@ -188,7 +196,7 @@ def main():
                   "tuned bucket there)", flush=True)
             break
         cfg, ec_us, err, inputs = tune_bucket(T, mx, args.layers, args.reps, args.dequant, args.quick,
-                                             args.verbose, args.block_m)
+                                             args.verbose, args.block_m, grid)
         row = dict(expert_centric_us=round(ec_us, 2), rel_err=float(f"{err:.3g}"))
         if ec_wins < 2 and args.dequant != "f16_rel":  # f16_rel (opt-in) keeps the BF16 table's crossover
             outs = [torch.empty_like(h) for h, _, _ in inputs]
