@@ -1,10 +1,10 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | bench-attention | bench-skinny | bench-decode | profile-decode | gpu-*
+# bench-sync | bench-attention | bench-skinny | bench-router | bench-decode | profile-decode | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-decode profile-decode gpu-decode \
-	gpu-multi
+	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-decode profile-decode \
+	gpu-decode gpu-multi
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -42,6 +42,9 @@ bench-attention:  ## the Triton decode and prefill attention kernels at the Qwen
 
 bench-skinny:  ## skinny_linear (a decode step's projections and router gate) against cuBLAS and the read bound (GPU)
 	$(PY) jobs/bench_skinny_linear.py $(ARGS)
+
+bench-router:  ## the decode router's forms per T (one launch vs norm + gate GEMM + top-k), sets FUSED_ROUTER_MAX_T (GPU)
+	$(PY) jobs/bench_router.py $(ARGS)
 
 profile-decode:  ## where a captured decode step's time goes, kernel by kernel (GPU)
 	$(PY) jobs/profile_decode.py $(ARGS)

@@ -27,10 +27,15 @@ from kernels import (
     router_topk_reference,
     warp_decode_moe,
 )
-from kernels.router_gate_topk import MAX_T_NORM, router_gate_topk
-from kernels.skinny_linear import MAX_T as ROUTER_MAX_T
+from kernels.router_gate_topk import router_gate_topk
 
 MoEPath = Callable[..., torch.Tensor]
+# Up to this many tokens the router is one launch (router_gate_topk with the residual add and RMSNorm in its
+# prologue); above, rms_norm + the gate GEMM (fused_linear) + router_topk. jobs/bench_router.py on the H200, 30B
+# shape, µs per call in a CUDA graph: T = 1 4.32 fused vs 4.89, T = 2 4.80 vs 5.23, T = 4 6.15 vs 5.51, T = 8
+# 10.14 vs 6.66, T = 16 18.0 (without the norm) vs 9.1; the 235B shape (H 4096) already loses at T = 2 (6.00 vs
+# 5.81) but by less than the 30B shape gains. The single launch's one program per gate block holds all T rows.
+FUSED_ROUTER_MAX_T = 2
 
 
 def _torch_path(hidden, topk_weights, topk_ids, w13, w2):
@@ -98,7 +103,7 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         cap = None if capture is None else capture.layer(layer)
-        if self.fused_router and flat.shape[0] <= ROUTER_MAX_T:
+        if self.fused_router and flat.shape[0] <= FUSED_ROUTER_MAX_T:
             weights, ids = router_gate_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob,
                                             self.router_counter, capture_out=cap)[:2]
         else:
@@ -111,9 +116,10 @@ class SparseMoE(nn.Module):
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm, layer: int = 0, capture=None):
         """(the block's output for norm(x + residual), x + residual) on the fused path, the sum in FP32 (`norm` the
-        layer's post-attention RMSNorm). Up to MAX_T_NORM tokens the add and the norm run in the router's launch."""
+        layer's post-attention RMSNorm). Up to FUSED_ROUTER_MAX_T tokens the add and the norm run in the router's
+        launch."""
         shape = x.shape
-        if x.numel() // shape[-1] > MAX_T_NORM:
+        if x.numel() // shape[-1] > FUSED_ROUTER_MAX_T:
             h, residual = norm.add_norm(x, residual, fused=True)
             return self(h, layer, capture), residual
         flat = x.reshape(-1, shape[-1])
