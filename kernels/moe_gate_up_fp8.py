@@ -19,8 +19,8 @@ down GEMM takes FP8 operands too. Error: hidden splits exactly (BF16, kernels/fp
 when stored in BF16; each FP8 dot sums 32 exact products.
 Weight tiles come by per-thread cp.async, or with `tma` as one TMA box per group ([1, 2, BLOCK_N, 32] of w13
 viewed [E, 2, I, H]: the group's gate and up rows together, rows past I zero-filled), which frees the load queues
-that sm_90 stall sampling found busy: on the H200 it made gate_up 20-35% faster at T = 8-128 (docs/perf.md),
-and the tuned table uses it up to T = 1024.
+that sm_90 stall sampling found busy: on the H200 gate_up's best TMA tile is 13-18% faster than its best cp.async
+tile at T = 8-128 (up to 35% on one tile; docs/perf.md), and the tuned table uses it up to T = 1024.
 Bytes: each touched expert's w13 once (2 * I * H * (1 + 1/32)), hidden 2 * T * H (+ rows re-read from L2),
 act written S * I * (2 + 1/32).
 """
