@@ -276,6 +276,34 @@ def test_tuned_table(tmp_path, monkeypatch):
         ec.load_table.cache_clear()
 
 
+def test_committed_tables_fit_their_shapes():
+    """Every table in kernels/configs/ (tuned on a GPU, sometimes merged by hand from several tunes) parses, fits
+    its shape (block_k dividing H and I, block_n a multiple of 32 for the FP8 GEMMs' scale groups), uses TMA only
+    in the fp8 table that can run it, and has a measurement behind each entry."""
+    import glob
+    import os
+    import re
+
+    paths = sorted(glob.glob(os.path.join(ec.CONFIG_DIR, "expert_centric_*.json")))
+    assert paths
+    for path in paths:
+        name = os.path.basename(path)[:-len(".json")]
+        dequant = next((d for d in ("f16_rel", "fp8") if name.endswith("_" + d)), "bf16")
+        with open(path) as f:
+            shapes = json.load(f)["shapes"]
+        for key, shape in shapes.items():
+            E, H, I, k = map(int, re.fullmatch(r"E(\d+)_H(\d+)_I(\d+)_k(\d+)", key).groups())
+            assert set(shape["configs"]) == set(shape["measured"]), (path, key)
+            assert dequant == "f16_rel" or isinstance(shape["crossover_tokens"], int), (path, key)
+            for T, entry in shape["configs"].items():
+                cfg = ExpertCentricConfig.from_dict(entry)
+                where = (path, key, T)
+                assert H % cfg.gate_up.block_k == 0 and I % cfg.down.block_k == 0, where
+                assert dequant == "fp8" or not (cfg.gate_up.tma or cfg.down.tma), where
+                if dequant == "fp8":
+                    assert cfg.gate_up.block_n % 32 == 0 and cfg.down.block_n % 32 == 0, where
+
+
 def test_launcher_errors():
     hidden, weights, ids, w13, w2 = args = _problem(T=3, k=2, E=5, H=96, I=96, mx=True)
     with pytest.raises(TypeError, match="hidden"):
