@@ -61,7 +61,7 @@ gpu-warp-decode:  ## on the GPU machine: warp-decode GPU tests, bench_moe, and t
 gpu-expert-centric:  ## on the GPU machine: expert-centric GPU tests, its tuner (table in $OUT), bench_moe decode + prefill
 	bash jobs/gpu_expert_centric.sh
 
-gpu-expert-centric-fp8:  ## on the GPU machine: the FP8-dot GEMMs' GPU tests, their tuner (table in $OUT), bench_moe
+gpu-expert-centric-fp8:  ## on the GPU machine: the FP8-dot GEMMs' GPU tests, warp stalls (ncu), tuner (table in $OUT), bench_moe
 	bash jobs/gpu_expert_centric_fp8.sh
 
 gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU worker, 256 prompts
