@@ -15,10 +15,10 @@ printed and skipped. About 3 minutes on an H200 (much of it compiling the 80 ker
 expert_centric_<gpu>_f16_rel.json (same format, no crossover: `auto` keeps the BF16 table's), and skips warp
 decode. --dequant fp8 tunes the FP8-dot GEMMs (kernels/moe_gate_up_fp8.py, moe_down_fp8.py) into
 expert_centric_<gpu>_fp8.json, with its own crossover against warp decode (every tile with and without TMA
-weight loads; the full grid adds BLOCK_K 256 and num_stages 5). --quick keeps one num_stages per tile (3),
-halving the grid, for a short check of a variant. --verbose prints every candidate's time; --block-m tries the
-given BLOCK_M values at every T instead of those near T * k / E; --num-stages and --tma (on/off/both) set those
-axes of the FP8 grid.
+weight loads, down's TMA tiles also with TMA activation loads; the full grid adds BLOCK_K 256 and num_stages 5).
+--quick keeps one num_stages per tile (3), halving the grid, for a short check of a variant. --verbose prints
+every candidate's time; --block-m tries the given BLOCK_M values at every T instead of those near T * k / E;
+--num-stages and --tma (on/off/both) set those axes of the FP8 grid.
 
 Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick] [--verbose]
        [--block-m 16,32] [--num-stages 3,4] [--tma on|off|both]
@@ -76,8 +76,9 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
             m = bn * (2 if kernel == "gate_up" else 1)
             for bk in (64, 128) if quick else (64, 128, 256):
                 for warps in {64: (4,), 128: (8, 4), 256: (16,)}.get(m, ()):
-                    out += [GemmConfig(bn, bk, warps, st, t) for st in stages or ((3,) if quick else (2, 3, 4, 5))
-                            for t in tma]
+                    # down's activation rows are contiguous per block, so with TMA weights they may come by TMA too.
+                    out += [GemmConfig(bn, bk, warps, st, t, act) for st in stages or ((3,) if quick else (2, 3, 4, 5))
+                            for t in tma for act in ((False, True) if t and kernel == "down" else (False,))]
         return out
     for bn in (64, 128):
         acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
@@ -140,7 +141,7 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
                 kw = dict(block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages)
                 if fp8:
-                    moe_down_fp8(act, s, b, wts, w[1], part, **kw, tma=cfg.tma)
+                    moe_down_fp8(act, s, b, wts, w[1], part, **kw, tma=cfg.tma, tma_act=cfg.tma_act)
                 else:
                     moe_down(act, s, b, wts, w[1], part, **kw, dequant=dequant)
 
@@ -163,7 +164,8 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
 def short(cfg) -> str:
     """'n128 k64 w8 s3' for a GemmConfig, 'm64 | gate_up ... | down ...' for an ExpertCentricConfig."""
     if isinstance(cfg, GemmConfig):
-        return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
+        return (f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
+                + (" act" if cfg.tma_act else ""))
     return f"m{cfg.block_m} | gate_up {short(cfg.gate_up)} | down {short(cfg.down)}"
 
 

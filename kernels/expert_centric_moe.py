@@ -80,6 +80,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False
+    tma_act: bool = False
 
     def __post_init__(self):
         # tl.dot needs every dimension >= 16; tiles load as [block_k / 32, 32] groups, a power of two of them.
@@ -93,7 +94,9 @@ class GemmConfig:
 class ExpertCentricConfig:
     """block_m: rows (pairs) per GEMM block, shared by both GEMMs since it sets the alignment; block_n: weight
     rows per program (the MMA's M dimension); block_k: reduction step (a multiple of 32); tma (dequant "fp8" only):
-    the weight tiles come by TMA (the copy engine, one instruction per box) instead of per-thread cp.async."""
+    the weight tiles come by TMA (the copy engine, one instruction per box) instead of per-thread cp.async; tma_act
+    (down with dequant "fp8" only): the activation tiles too (gate_up's are gathered token rows, which TMA cannot
+    load on sm_90)."""
 
     block_m: int = 64
     gate_up: GemmConfig = field(default_factory=GemmConfig)
@@ -205,13 +208,15 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if T > 65535:  # the combine grid's second dimension, a CUDA limit
         raise ValueError(f"hidden has {T} tokens, more than 65535: split the batch")
     cfg = config or tuned_config(T, E, H, I, k, hidden.device, dequant)
+    if cfg.gate_up.tma_act:
+        raise ValueError("tma_act is a tile option of down only: gate_up gathers its tokens' rows")
     sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
     S = sorted_ids.shape[0]
     if dequant == "fp8":
         _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg, out)
         return out
-    if cfg.gate_up.tma or cfg.down.tma:
-        raise ValueError(f"tma is a tile option of dequant 'fp8' only, got dequant {dequant!r}")
+    if cfg.gate_up.tma or cfg.down.tma or cfg.down.tma_act:
+        raise ValueError(f"tma and tma_act are tile options of dequant 'fp8' only, got dequant {dequant!r}")
     mx_act = act_dtype == "mxfp8"
     x = mxfp8_quantize(hidden) if mx_act else hidden
     # Zeros for the quantizer's sake: rows of blocks past the last expert are never written (nor read).
@@ -241,7 +246,7 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg: Exp
     part = torch.empty((T * k, H), dtype=torch.float32, device=dev)
     moe_down_fp8(act, sorted_ids, block_expert, topk_weights, w2, part, block_m=cfg.block_m,
                  block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages,
-                 tma=d.tma)
+                 tma=d.tma, tma_act=d.tma_act)
     moe_combine(part, out, k)
 
 

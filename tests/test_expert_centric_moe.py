@@ -136,7 +136,8 @@ def test_fp8_matches_reference(case):
     """FP8 dots on the stored weights, hidden split exactly and act to ~8 bits: within the BF16 variant's bounds,
     and closer to FP32 than it (the interpreter truncates the BF16 variant's act; the split rounds to nearest).
     packed_scales: block_k 128 for gate_up and 64 for down, so scales load 4 and 2 to a word (mx_tiles). tma: the
-    weight tiles as TMA boxes, n blocks past I and H included (zeros, and the next expert's rows, masked)."""
+    weight tiles as TMA boxes, n blocks past I and H included (zeros, and the next expert's rows, masked), and
+    down's activation tiles too (tma_act): the same bits as cp.async."""
     config = FP8_CPU_CONFIG
     if case == "packed_scales":
         args = _problem(T=6, k=2, E=5, H=256, I=128, mx=True, seed=4)
@@ -144,7 +145,11 @@ def test_fp8_matches_reference(case):
     elif case == "tma":
         args = _problem(T=6, k=2, E=5, H=96, I=160, mx=True, seed=6)
         config = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True))
-        assert torch.equal(_run(args, config=config, dequant="fp8"), _run(args, config=FP8_CPU_CONFIG, dequant="fp8"))
+        want = _run(args, config=FP8_CPU_CONFIG, dequant="fp8")
+        assert torch.equal(_run(args, config=config, dequant="fp8"), want)
+        act_boxes = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32, tma_act=True))
+        assert torch.equal(_run(args, config=act_boxes, dequant="fp8"), want)
+        config = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True, tma_act=True))
     elif case == "mxfp8_odd":
         args = _problem(T=7, k=3, E=6, H=96, I=160, mx=True, seed=1)
     elif case == "mxfp8_skewed":
@@ -299,7 +304,8 @@ def test_committed_tables_fit_their_shapes():
                 cfg = ExpertCentricConfig.from_dict(entry)
                 where = (path, key, T)
                 assert H % cfg.gate_up.block_k == 0 and I % cfg.down.block_k == 0, where
-                assert dequant == "fp8" or not (cfg.gate_up.tma or cfg.down.tma), where
+                assert dequant == "fp8" or not (cfg.gate_up.tma or cfg.down.tma or cfg.down.tma_act), where
+                assert not cfg.gate_up.tma_act, where
                 if dequant == "fp8":
                     assert cfg.gate_up.block_n % 32 == 0 and cfg.down.block_n % 32 == 0, where
 
@@ -398,19 +404,26 @@ def test_tma_refuses_misaligned_weights_and_other_modes():
     tma = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True))
     with pytest.raises(ValueError, match="w13 for TMA needs a 16-byte aligned base"):
         expert_centric_moe(*args[:3], shifted, args[4], config=tma, dequant="fp8")
-    with pytest.raises(ValueError, match="tma is a tile option of dequant 'fp8' only"):
+    with pytest.raises(ValueError, match="tma and tma_act are tile options of dequant 'fp8' only"):
         expert_centric_moe(*args, config=tma, dequant="bf16")
+    act_boxes = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32, tma_act=True))
+    with pytest.raises(ValueError, match="tma and tma_act are tile options of dequant 'fp8' only"):
+        expert_centric_moe(*args, config=act_boxes, dequant="bf16")
+    gathered = ExpertCentricConfig(16, GemmConfig(64, 32, tma_act=True), GemmConfig(64, 32))
+    with pytest.raises(ValueError, match="tma_act is a tile option of down only"):
+        expert_centric_moe(*args, config=gathered, dequant="fp8")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 37, 64])
 def test_gpu_tma_matches_cp_async(T):
-    """TMA weight boxes at the 30B shape: the same operands reach the same dots, so the same bits as cp.async."""
+    """TMA weight boxes (and down's activation boxes) at the 30B shape: the same operands reach the same dots, so
+    the same bits as cp.async."""
     args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=True, device="cuda", seed=50 + T)
     outs = [_run(args, dequant="fp8", config=ExpertCentricConfig(16, GemmConfig(32, 128, tma=tma),
-                                                                  GemmConfig(64, 128, tma=tma)))
-            for tma in (True, False)]
-    assert torch.equal(outs[0], outs[1])
+                                                                  GemmConfig(64, 128, tma=tma, tma_act=act)))
+            for tma, act in ((True, True), (True, False), (False, False))]
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
 
 @pytest.mark.gpu
