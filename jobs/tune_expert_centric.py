@@ -70,12 +70,16 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
     if fp8:  # block_k is only an unroll count of 32-wide FP8 steps there; each step's tiles are cp.async-pipelined
         # The dot's M: gate_up stacks gate and up rows. wgmma needs 64 rows per warpgroup (fewer fall back to mma.sync
         # with FP8 -> FP16 converts); at 128 rows on one warpgroup the scale vector passes through shared memory each
-        # step (sm_90 PTX), on two it does not: 4 warps per 64 rows, and also 4 at 128 for the tuner to compare. More
-        # rows per program share each activation tile among more weights (the GEMMs are L2-bound: docs/perf.md).
-        for bn in (32, 64, 128):
+        # step (sm_90 PTX), on two it does not: 4 warps per 64 rows, and fewer warps at 128 and 256 rows for the tuner
+        # to compare (with TMA weights one warpgroup won at 128 rows; at 256, n128 w4 compiles to 164 registers, no
+        # spills). More rows per program share each activation tile among more weights: L2 is the busiest unit
+        # (docs/perf.md), and 256 rows halve the activation re-reads of 128.
+        for bn in (32, 64, 128, 256):
             m = bn * (2 if kernel == "gate_up" else 1)
             for bk in (64, 128) if quick else (64, 128, 256):
-                for warps in {64: (4,), 128: (8, 4), 256: (16,)}.get(m, ()):
+                for warps in {64: (4,), 128: (8, 4), 256: (16, 8, 4)}.get(m, ()):
+                    if m * 2 * block_m > 128 * 32 * warps:  # FP32 accumulators per thread (hi and lo columns)
+                        continue
                     # down's activation rows are contiguous per block, so with TMA weights they may come by TMA too.
                     out += [GemmConfig(bn, bk, warps, st, t, act) for st in stages or ((3,) if quick else (2, 3, 4, 5))
                             for t in tma for act in ((False, True) if t and kernel == "down" else (False,))]
