@@ -149,6 +149,9 @@ def test_fp8_matches_reference(case):
         assert torch.equal(_run(args, config=config, dequant="fp8"), want)
         act_boxes = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32, tma_act=True))
         assert torch.equal(_run(args, config=act_boxes, dequant="fp8"), want)
+        # The tuner's widest programs: 256 weight rows each, boxes past I and H.
+        wide = ExpertCentricConfig(16, GemmConfig(128, 32, tma=True), GemmConfig(256, 32, tma=True, tma_act=True))
+        assert torch.equal(_run(args, config=wide, dequant="fp8"), want)
         config = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True, tma_act=True))
     elif case == "mxfp8_odd":
         args = _problem(T=7, k=3, E=6, H=96, I=160, mx=True, seed=1)
