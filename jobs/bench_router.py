@@ -7,7 +7,8 @@ fused router (composer_rollout/model/moe.py, FUSED_ROUTER_MAX_T) is set from thi
 Forms, per T (Qwen3 router shapes: gate [E, H] BF16, FP32 logits):
 - fused+norm: router_gate_topk with the residual add and RMSNorm in its prologue (T <= MAX_T_NORM; the model's
   form from layer 1 on, up to FUSED_ROUTER_MAX_T tokens);
-- fused: router_gate_topk alone (the model's layer 0);
+- fused: router_gate_topk alone (the kernel allows it; the model no longer runs it: every layer's router comes
+  after the post-attention add + norm);
 - skinny+topk: skinny_linear's FP32 logits then router_topk (T <= 16: fused_linear's path there);
 - cublas+topk: torch.mm with an FP32 output then router_topk (fused_linear's path above 16 tokens);
 the unfused forms with the norm run rmsnorm's add_norm first (+norm rows), so each fused form has a like-for-like

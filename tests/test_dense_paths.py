@@ -127,14 +127,16 @@ def test_a_weight_update_reaches_the_captured_graphs():
 
 
 
-@pytest.mark.parametrize("dense", ["torch", "triton"])
-def test_the_router_writes_the_capture_rows_of_its_layer(dense):
-    """Both routers fill ExpertCapture.layer(i) with the ids the experts were run with (the fused one in its own
-    launch), and leave the other layers' rows alone."""
+@pytest.mark.parametrize("dense,tokens", [("torch", 5), ("triton", 2), ("triton", 5)])
+def test_the_router_writes_the_capture_rows_of_its_layer(dense, tokens):
+    """Every router fills ExpertCapture.layer(i) with the ids the experts were run with (the triton backend's in
+    the top-k launch: router_gate_topk's with the add + norm up to moe.FUSED_ROUTER_MAX_T tokens, router_topk's
+    above), and leaves the other layers' rows alone."""
     m = model(dense, layers=2)
     a, mlp = m.args, m.layers[1].mlp
-    x = torch.randn(5, a.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
-    capture = ExpertCapture(a.num_hidden_layers, 5, a.num_experts_per_tok, a.num_experts, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, a.hidden_size, generator=gen).bfloat16().to(DEVICE)
+    capture = ExpertCapture(a.num_hidden_layers, tokens, a.num_experts_per_tok, a.num_experts, DEVICE)
     capture.ids.fill_(255)
     seen, run_experts = [], mlp.moe_fn
 
@@ -143,5 +145,9 @@ def test_the_router_writes_the_capture_rows_of_its_layer(dense):
         return run_experts(flat, weights, ids, w13, w2)
 
     mlp.moe_fn = experts
-    mlp(x, layer=1, capture=capture)
+    if dense == "triton":  # the decoder layer's call: the post-attention add + norm comes with the router
+        residual = torch.randn(tokens, a.hidden_size, generator=gen).to(DEVICE)
+        mlp.add_norm_forward(x, residual, m.layers[1].post_attention_layernorm, layer=1, capture=capture)
+    else:
+        mlp(x, layer=1, capture=capture)
     assert torch.equal(capture.layer(1).long(), seen[0]) and (capture.ids[0] == 255).all()

@@ -104,15 +104,11 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         cap = None if capture is None else capture.layer(layer)
-        if self.fused_router and flat.shape[0] <= FUSED_ROUTER_MAX_T:
-            weights, ids = router_gate_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob,
-                                            self.router_counter, capture_out=cap)[:2]
-        else:
-            # The fused router takes FP32 logits (Hugging Face's are BF16): a near-tie between experts is not
-            # decided by a rounding.
-            logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
-                      else F.linear(flat, self.gate.weight))
-            weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
+        # The fused router takes FP32 logits (Hugging Face's are BF16): a near-tie between experts is not decided by
+        # a rounding. (Its one-launch form runs with the add + norm, in add_norm_forward.)
+        logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
+                  else F.linear(flat, self.gate.weight))
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm, layer: int = 0, capture=None):
