@@ -73,3 +73,16 @@ def test_bad_configs_fail_with_a_message(tmp_path, override, needle):
     assert proc.returncode != 0
     assert needle in output, output
     assert "tokens/s" not in output  # it failed before generating
+
+
+def test_a_shadowing_kernels_package_is_named(tmp_path):
+    """Hugging Face's `kernels` package (a transformers 5.25 requirement) takes our kernels' import name; a stand-in
+    placed first on the path must fail the job with a message naming the clash, not a bare 'cannot import name'."""
+    (tmp_path / "site" / "kernels").mkdir(parents=True)
+    (tmp_path / "site" / "kernels" / "__init__.py").write_text("CUDAProperties = object\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "jobs/generate.py", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "is not composer-rollout's" in proc.stderr and str(tmp_path / "site" / "kernels") in proc.stderr, proc.stderr
+    assert "tokens/s" not in proc.stdout
