@@ -114,8 +114,10 @@ def write_rejects(path: str | Path, rejects: list[Reject]) -> None:
 
 
 def summarize(records: list[dict], new_tokens_by_worker: dict[int, int], gen_s: float,
-              eval_metrics: dict[str, float] | None = None) -> dict:
-    """Totals over every record in the output; throughput over this run's samples and wall time."""
+              eval_metrics: dict[str, float] | None = None, worker_stats: list[dict | None] = ()) -> dict:
+    """Totals over every record in the output; throughput over this run's samples and wall time; and where each
+    worker's engine spent its time (prefill, decode steps; the rest of the wall time is host work and waiting),
+    from the workers' own counters (a worker that did not answer is left out)."""
     lengths = [r["num_completion_tokens"] for r in records]
     new_tokens = sum(new_tokens_by_worker.values())
     out = {"samples": len(records), "prompts": len({r["prompt_index"] for r in records}),
@@ -126,6 +128,8 @@ def summarize(records: list[dict], new_tokens_by_worker: dict[int, int], gen_s: 
            "finish_reasons": dict(Counter(r["finish_reason"] for r in records)),
            "mean_response_len": sum(lengths) / len(lengths) if lengths else 0.0,
            "max_response_len": max(lengths, default=0)}
+    out["engine"] = {s["worker_id"]: {k: s[k] for k in ("prefill_tokens", "prefill_s", "decode_steps", "decode_s",
+                                                         "occupancy")} for s in worker_stats if s}
     if eval_metrics:
         out["eval"] = eval_metrics
     return out
@@ -139,6 +143,11 @@ def format_summary(s: dict) -> str:
     rows += [(f"tokens/s worker {w}", f"{v:.1f}") for w, v in s["tokens_per_s_per_worker"].items()]
     rows += [("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
              ("response length", f"mean {s['mean_response_len']:.1f}, max {s['max_response_len']}")]
+    for w, e in s.get("engine", {}).items():
+        step_ms = 1e3 * e["decode_s"] / e["decode_steps"] if e["decode_steps"] else 0.0
+        rows.append((f"engine worker {w}", f"prefill {e['prefill_tokens']} tokens in {e['prefill_s']:.2f} s, decode "
+                     f"{e['decode_steps']} steps in {e['decode_s']:.2f} s ({step_ms:.2f} ms/step, occupancy "
+                     f"{e['occupancy']:.0%})"))
     rows += [(k, f"{v:.4f}") for k, v in s.get("eval", {}).items()]
     width = max(len(k) for k, _ in rows)
     bar = "-" * (width + 3 + max(len(v) for _, v in rows))

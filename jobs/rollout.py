@@ -138,8 +138,8 @@ def main(cfg: DictConfig) -> None:
         for r in records:
             scores.setdefault(r["prompt_index"], []).append(r["score"])
         eval_metrics = eval_summary(scores, job.eval.k)
-    summary = summarize(records, dict(enumerate(pool.tokens)), gen_s, eval_metrics)
     worker_stats = pool.stats()
+    summary = summarize(records, dict(enumerate(pool.tokens)), gen_s, eval_metrics, worker_stats)
     if any(pool.restarts):
         print(f"worker restarts: {pool.restarts}")
     print(format_summary(summary))

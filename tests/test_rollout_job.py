@@ -43,6 +43,7 @@ def test_output_complete_with_overrides(tmp_path, ray_head):
     tokens = sum(r["num_completion_tokens"] for r in recs)
     assert f"completion tokens | {tokens} ({tokens} this run)" in proc.stdout
     assert "tokens/s worker 1" in proc.stdout and "finish reasons" in proc.stdout
+    assert re.search(r"engine worker 1 +\| prefill [1-9]\d* tokens in [\d.]+ s, decode [1-9]\d* steps", proc.stdout)
     # a second run into the same directory never overwrites it
     again = run_job(tmp_path, ray_head, "prompts=builtin:random:6")
     assert again.returncode != 0 and "resume=true" in again.stderr
