@@ -3,7 +3,9 @@
 Shaped like vLLM's offline API (`from_pretrained`, `generate`, `SamplingParams`) so RL users know it.
 The loop is continuous batching over a fixed set of KV-cache slots: a prompt group (its n samples)
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
-and every step decodes all live sequences together. A finished sequence frees its slot at once.
+and every step decodes all live sequences together. A finished sequence frees its slot at once. Prompts that
+fit the step's prefill budget whole are prefilled several to a forward (padded rows); a longer one goes in
+chunks on its own.
 
 Weights change only between steps: `begin_update` stages a new version beside the live weights
 (composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
@@ -263,26 +265,75 @@ class RolloutEngine:
             pre.routing.append(capture.all_rows())
         finished = []
         if not pre.remaining:
-            n, slots = req.sampling.n, pre.slots
-            self.cache.copy_prefix(slots[0], slots[1:], len(req.prompt))
-            seqs = [Sequence(req, j, sample_seed(req.seed, req.prompt_index, j)) for j in range(n)]
-            self._live.update(zip(slots, seqs, strict=True))
             self._prefilling = None
-            params, filtered, _ = self._step_inputs(seqs, n)
-            logits = self.model.compute_logits(last)  # the last chunk's only: earlier ones need no logits
-            tokens, logprobs = sample(logits.expand(n, -1), *params, filtered=filtered)
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()
-            if capture is not None:  # one prefill, so one prompt routing for the whole group
-                prompt_routing = np.concatenate(pre.routing)
-                for seq in seqs:
-                    seq.routing.append(prompt_routing)
-            finished = self._append(slots, tokens, logprobs)
+            routing = [np.concatenate(pre.routing)] if capture is not None else [None]
+            finished = self._go_live([pre], last[None], routing)  # the last chunk's logits only
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so that prefill_s times the chunk, as the final one (.tolist())
         self.stats.prefill_tokens += size
         self.stats.prefill_chunks += 1
         self.stats.prefill_s += time.perf_counter() - start_time
         return size, finished
+
+    def _take_whole_prompts(self, budget: int) -> list[Prefill]:
+        """Waiting groups, in order, whose whole prompts fit one forward of at most `budget` tokens with padding
+        (rows of the longest prompt's length) and whose n slots are free; empty when the first does not fit (it
+        goes through the chunked path)."""
+        group, longest, free = [], 0, len(self._free)
+        for req in self._waiting:
+            longest_with = max(longest, len(req.prompt))
+            if req.sampling.n > free or (len(group) + 1) * longest_with > budget:
+                break
+            group.append(req)
+            longest, free = longest_with, free - req.sampling.n
+        for _ in group:
+            self._waiting.popleft()
+        return [Prefill(req, [self._free.pop() for _ in range(req.sampling.n)]) for req in group]
+
+    def _prefill_whole(self, group: list[Prefill]) -> tuple[int, list[RolloutResult]]:
+        """Several groups' whole prompts in one forward: rows padded to the longest prompt, the padding tokens at
+        the positions after their row's prompt (their keys land where the row's first decode steps write theirs
+        before reading them, and nothing reads past its own position). One launch sequence instead of one per
+        prompt: prefill of short prompts is per-launch latency, not bytes. Returns (padded tokens, finished)."""
+        start_time = time.perf_counter()
+        lens = [len(p.request.prompt) for p in group]
+        B, S = len(group), max(lens)
+        ids = torch.tensor([p.request.prompt + [0] * (S - n) for p, n in zip(group, lens, strict=True)],
+                           device=self.device)
+        positions = torch.arange(S, device=self.device).repeat(B, 1)
+        slots = torch.tensor([p.slots[0] for p in group], device=self.device)
+        asked = any(p.request.sampling.return_routed_experts for p in group)
+        capture = self._capture(B * S) if asked else None
+        hidden = self.model(ids, positions, slots, self.cache, capture)
+        last = hidden[torch.arange(B, device=self.device), torch.tensor(lens, device=self.device) - 1]
+        routing = [None] * B
+        if capture is not None:
+            rows = capture.all_rows()
+            routing = [rows[b * S:b * S + n] for b, n in enumerate(lens)]
+        finished = self._go_live(group, last, routing)
+        self.stats.prefill_tokens += sum(lens)
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_s += time.perf_counter() - start_time
+        return B * S, finished
+
+    def _go_live(self, group: list[Prefill], last: torch.Tensor, routing: list[np.ndarray | None]
+                 ) -> list[RolloutResult]:
+        """Prefilled groups go live: each prompt's KV is copied to its other slots and each sample draws its first
+        token from its prompt's last hidden state (`last` [groups, H]), all groups in one sampling call."""
+        seqs, slots, rows = [], [], []
+        for b, (pre, prompt_routing) in enumerate(zip(group, routing, strict=True)):
+            req = pre.request
+            self.cache.copy_prefix(pre.slots[0], pre.slots[1:], len(req.prompt))
+            new = [Sequence(req, j, sample_seed(req.seed, req.prompt_index, j)) for j in range(req.sampling.n)]
+            if prompt_routing is not None:  # one prefill, so one prompt routing for the whole group
+                for seq in new:
+                    seq.routing.append(prompt_routing)
+            self._live.update(zip(pre.slots, new, strict=True))
+            seqs, slots, rows = seqs + new, slots + pre.slots, rows + [b] * len(new)
+        params, filtered, _ = self._step_inputs(seqs, len(seqs))
+        logits = self.model.compute_logits(last)[torch.tensor(rows, device=self.device)]
+        tokens, logprobs = sample(logits, *params, filtered=filtered)
+        return self._append(slots, tokens.tolist(), logprobs.tolist())
 
     def _decode(self) -> list[RolloutResult]:
         start = time.perf_counter()
@@ -317,11 +368,16 @@ class RolloutEngine:
     @torch.inference_mode()
     def step(self, admit: bool = True) -> list[RolloutResult]:
         """Prefill up to max_prefill_tokens prompt tokens: the request in progress first, then waiting groups in
-        order while their n slots are free (none when `admit` is False, as while draining for a weight swap; a
-        request already in progress is finished). Then one decode step over every live sequence. Returns the
-        finished samples."""
+        order while their n slots are free, whole prompts several to a forward (none when `admit` is False, as while
+        draining for a weight swap; a request already in progress is finished). Then one decode step over every
+        live sequence. Returns the finished samples."""
         finished, budget = [], self.max_prefill_tokens
         while budget > 0:
+            if self._prefilling is None and admit and (group := self._take_whole_prompts(budget)):
+                used, done = self._prefill_whole(group)
+                budget -= used
+                finished += done
+                continue
             if self._prefilling is None:
                 if not (admit and self._waiting and len(self._free) >= self._waiting[0].sampling.n):
                     break
