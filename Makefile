@@ -1,10 +1,10 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | bench-attention | bench-skinny | bench-router | bench-decode | profile-decode | gpu-*
+# bench-sync | bench-attention | bench-skinny | bench-router | bench-decode | bench-prefill | profile-decode | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
 	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-decode profile-decode \
-	gpu-decode gpu-multi
+	gpu-decode gpu-multi bench-prefill gpu-prefill
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -52,6 +52,9 @@ profile-decode:  ## where a captured decode step's time goes, kernel by kernel (
 bench-decode:  ## the engine's decode steps (CUDA graphs) at batch x context x MoE path, a long-tail run, FP32 agreement (GPU)
 	$(PY) jobs/bench_decode.py $(ARGS)
 
+bench-prefill:  ## a prefill forward per shape (first call, warm, host, kernels) against its roofline; engine prefill per budget (GPU)
+	$(PY) jobs/bench_prefill.py $(ARGS)
+
 gpu-foundation:  ## on the GPU machine: CUDA parity tests and the qwen3_30b_a3b preset generating
 	bash jobs/gpu_foundation.sh
 
@@ -72,6 +75,9 @@ gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (need
 
 gpu-decode:  ## on the GPU machine: dense-path and CUDA-graph GPU tests, bench_skinny, bench_attention, profile, bench_decode
 	bash jobs/gpu_decode.sh
+
+gpu-prefill:  ## on the GPU machine: bench_prefill, then the rollout job on GRPO-shaped prompts twice (needs ray wheels in .whl)
+	bash jobs/gpu_prefill.sh
 
 gpu-multi:  ## on a multi-GPU machine: rollout throughput with a worker per GPU against one, weight sync over NCCL
 	bash jobs/gpu_multi.sh

@@ -128,8 +128,8 @@ def summarize(records: list[dict], new_tokens_by_worker: dict[int, int], gen_s: 
            "finish_reasons": dict(Counter(r["finish_reason"] for r in records)),
            "mean_response_len": sum(lengths) / len(lengths) if lengths else 0.0,
            "max_response_len": max(lengths, default=0)}
-    out["engine"] = {s["worker_id"]: {k: s[k] for k in ("prefill_tokens", "prefill_s", "decode_steps", "decode_s",
-                                                         "occupancy")} for s in worker_stats if s}
+    keys = ("prefill_tokens", "prefill_s", "prefill_forwards", "prefill_rows", "decode_steps", "decode_s", "occupancy")
+    out["engine"] = {s["worker_id"]: {k: s[k] for k in keys} for s in worker_stats if s}
     if eval_metrics:
         out["eval"] = eval_metrics
     return out
@@ -145,9 +145,10 @@ def format_summary(s: dict) -> str:
              ("response length", f"mean {s['mean_response_len']:.1f}, max {s['max_response_len']}")]
     for w, e in s.get("engine", {}).items():
         step_ms = 1e3 * e["decode_s"] / e["decode_steps"] if e["decode_steps"] else 0.0
-        rows.append((f"engine worker {w}", f"prefill {e['prefill_tokens']} tokens in {e['prefill_s']:.2f} s, decode "
-                     f"{e['decode_steps']} steps in {e['decode_s']:.2f} s ({step_ms:.2f} ms/step, occupancy "
-                     f"{e['occupancy']:.0%})"))
+        padding = 1 - e["prefill_tokens"] / e["prefill_rows"] if e["prefill_rows"] else 0.0
+        rows.append((f"engine worker {w}", f"prefill {e['prefill_tokens']} tokens in {e['prefill_s']:.2f} s "
+                     f"({e['prefill_forwards']} forwards, {padding:.0%} padding), decode {e['decode_steps']} steps in "
+                     f"{e['decode_s']:.2f} s ({step_ms:.2f} ms/step, occupancy {e['occupancy']:.0%})"))
     rows += [(k, f"{v:.4f}") for k, v in s.get("eval", {}).items()]
     width = max(len(k) for k, _ in rows)
     bar = "-" * (width + 3 + max(len(v) for _, v in rows))

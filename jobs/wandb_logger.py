@@ -25,8 +25,11 @@ def worker_metrics(stats: list[dict | None], gen_s: float) -> dict:
     """Pool-wide and per-worker series from the workers' own stats (a restarting worker reports None)."""
     live = [s for s in stats if s]
     prefill_s = sum(s["prefill_s"] for s in live)
+    prefill_tokens, prefill_rows = sum(s["prefill_tokens"] for s in live), sum(s["prefill_rows"] for s in live)
     decode_s = sum(s["decode_s"] for s in live)
-    out = {"perf/prefill_tokens_per_s": sum(s["prefill_tokens"] for s in live) / prefill_s if prefill_s else 0.0,
+    out = {"perf/prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else 0.0,
+           # rows computed for padding (whole prompts share a forward padded to the longest), of all prefill rows
+           "perf/prefill_padding": 1 - prefill_tokens / prefill_rows if prefill_rows else 0.0,
            "perf/decode_tokens_per_s": sum(s["decode_tokens"] for s in live) / decode_s if decode_s else 0.0,
            "perf/batch_occupancy": sum(s["occupancy"] for s in live) / len(live) if live else 0.0}
     for s in live:

@@ -43,7 +43,8 @@ def test_output_complete_with_overrides(tmp_path, ray_head):
     tokens = sum(r["num_completion_tokens"] for r in recs)
     assert f"completion tokens | {tokens} ({tokens} this run)" in proc.stdout
     assert "tokens/s worker 1" in proc.stdout and "finish reasons" in proc.stdout
-    assert re.search(r"engine worker 1 +\| prefill [1-9]\d* tokens in [\d.]+ s, decode [1-9]\d* steps", proc.stdout)
+    assert re.search(r"engine worker 1 +\| prefill [1-9]\d* tokens in [\d.]+ s \([1-9]\d* forwards, \d+% padding\), "
+                     r"decode [1-9]\d* steps", proc.stdout)
     # a second run into the same directory never overwrites it
     again = run_job(tmp_path, ray_head, "prompts=builtin:random:6")
     assert again.returncode != 0 and "resume=true" in again.stderr
@@ -115,6 +116,7 @@ def test_eval_and_wandb_offline(tmp_path, ray_head):
     assert config["rollout"]["num_workers"] == 2 and config["eval"]["k"] == [1, 4]
     assert config["engine"]["max_model_len"] == 96  # the resolved Hydra config, overrides included
     final = history[-1]
+    assert 0 <= final["perf/prefill_padding"] < 1
     for key in ["perf/rollout_tokens_per_s", "perf/tokens_per_s_per_worker", "perf/prefill_tokens_per_s",
                 "perf/decode_tokens_per_s", "timing_s/gen", "perf/batch_occupancy", "worker/0/tokens_per_s",
                 "worker/1/occupancy", "eval/mean_score", "eval/pass@4"]:

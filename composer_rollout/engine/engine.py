@@ -4,8 +4,8 @@ Shaped like vLLM's offline API (`from_pretrained`, `generate`, `SamplingParams`)
 The loop is continuous batching over a fixed set of KV-cache slots: a prompt group (its n samples)
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
 and every step decodes all live sequences together. A finished sequence frees its slot at once. Prompts that
-fit the step's prefill budget whole are prefilled several to a forward (padded rows); a longer one goes in
-chunks on its own.
+fit the step's prefill budget whole are prefilled several to a forward (padded rows); one longer than the whole
+budget goes in chunks on its own, from a step's start.
 
 Weights change only between steps: `begin_update` stages a new version beside the live weights
 (composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
@@ -271,6 +271,7 @@ class RolloutEngine:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so that prefill_s times the chunk, as the final one (.tolist())
         self.stats.prefill_tokens += size
+        self.stats.prefill_rows += size
         self.stats.prefill_chunks += 1
         self.stats.prefill_s += time.perf_counter() - start_time
         return size, finished
@@ -312,6 +313,7 @@ class RolloutEngine:
             routing = [rows[b * S:b * S + n] for b, n in enumerate(lens)]
         finished = self._go_live(group, last, routing)
         self.stats.prefill_tokens += sum(lens)
+        self.stats.prefill_rows += B * S
         self.stats.prefill_chunks += 1
         self.stats.prefill_s += time.perf_counter() - start_time
         return B * S, finished
@@ -368,9 +370,10 @@ class RolloutEngine:
     @torch.inference_mode()
     def step(self, admit: bool = True) -> list[RolloutResult]:
         """Prefill up to max_prefill_tokens prompt tokens: the request in progress first, then waiting groups in
-        order while their n slots are free, whole prompts several to a forward (none when `admit` is False, as while
-        draining for a weight swap; a request already in progress is finished). Then one decode step over every
-        live sequence. Returns the finished samples."""
+        order while their n slots are free, whole prompts several to a forward; a prompt longer than the budget
+        starts its chunks at a step's start (none when `admit` is False, as while draining for a weight swap; a
+        request already in progress is finished). Then one decode step over every live sequence. Returns the
+        finished samples."""
         finished, budget = [], self.max_prefill_tokens
         while budget > 0:
             if self._prefilling is None and admit and (group := self._take_whole_prompts(budget)):
@@ -380,6 +383,11 @@ class RolloutEngine:
                 continue
             if self._prefilling is None:
                 if not (admit and self._waiting and len(self._free) >= self._waiting[0].sampling.n):
+                    break
+                # Only a prompt longer than the whole budget is chunked, and from a fresh budget: one that fits waits
+                # for the next step's whole-prompt forward rather than costing a forward of the leftover here (a
+                # prefill forward has a fixed cost; splitting fitting prompts doubled the forwards: docs/perf.md).
+                if len(self._waiting[0].prompt) <= self.max_prefill_tokens or budget < self.max_prefill_tokens:
                     break
                 req = self._waiting.popleft()
                 self._prefilling = Prefill(req, [self._free.pop() for _ in range(req.sampling.n)])
