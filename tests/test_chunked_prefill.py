@@ -8,6 +8,7 @@ import torch
 
 from composer_rollout.config import EngineConfig
 from composer_rollout.engine import RolloutEngine, SamplingParams
+from composer_rollout.engine.engine import ROW_MULTIPLE, padded_len
 
 ARGS = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=4)
 
@@ -60,6 +61,33 @@ def test_only_a_prompt_longer_than_the_budget_is_chunked_and_from_a_fresh_budget
     whole = RolloutEngine.from_pretrained("tiny", **ARGS).generate(ps, sampling)
     again = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=10, **ARGS).generate(ps, sampling)
     assert [r.token_ids for r in again] == [r.token_ids for r in whole]
+
+
+def test_prefill_rows_round_up_to_a_multiple_of_16_where_budget_and_context_allow(monkeypatch):
+    """Whole-prompt rows and chunks are padded to ROW_MULTIPLE (fewer kernel variants on the GPU) unless that would
+    pass the budget or max_model_len; the samples are those of unpadded forwards."""
+    assert ROW_MULTIPLE == 16
+    assert [padded_len(n, rows, budget, limit) for n, rows, budget, limit in [
+        (5, 1, 64, 96), (16, 1, 64, 96), (17, 2, 64, 96), (17, 3, 64, 96), (35, 1, 64, 40), (7, 1, 10, 96)]] == [
+        16, 16, 32, 17, 35, 7]  # (17, 3): 3 x 32 > 64; (35, 1): 48 > max_model_len 40; (7, 1): 16 > budget 10
+    ps = [prompt(12, 5), prompt(13, 17), prompt(14, 70)]
+    sampling = SamplingParams(temperature=0.9, max_tokens=4, n=2, seed=3, return_routed_experts=True)
+    unpadded = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=15, **ARGS)  # 16 never fits: no padding
+    want = unpadded.generate(ps, sampling)
+    assert unpadded.stats.prefill_rows == unpadded.stats.prefill_tokens
+    engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=32, **ARGS)
+    shapes, forward = [], engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or
+                        forward(ids, *a, **k))
+    got = engine.generate(ps, sampling)
+    # 5 alone (with 17: 2 x 17 > 32) padded to 16, then 17 to 32, then the 70 in chunks of 32, 32 and 6 -> 16.
+    assert [s for s in shapes if s[1] > 1] == [(1, 16), (1, 32), (1, 32), (1, 32), (1, 16)]
+    assert engine.stats.prefill_rows == 128 and engine.stats.prefill_tokens == 92
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert a.routed_experts.shape == b.routed_experts.shape
+        assert (a.routed_experts != b.routed_experts).mean() < 0.01  # near-ties only, as above
 
 
 def test_live_sequences_decode_while_a_long_prompt_is_prefilled():

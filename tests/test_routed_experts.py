@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from composer_rollout.config import RolloutJobConfig
 from composer_rollout.engine import RolloutEngine, SamplingParams
+from composer_rollout.engine.engine import ROW_MULTIPLE
 from composer_rollout.model import Qwen3MoE, preset
 from composer_rollout.output import record
 from composer_rollout.prompts import Prompt
@@ -64,7 +65,8 @@ def test_captured_ids_equal_the_router_on_the_same_hidden_states(kernel):
     # warp_decode needs BF16 activations; interpreted kernels are slow, so the sequence is short.
     dtype, wdtype = (torch.float32, "bf16") if kernel == "torch" else (torch.bfloat16, "mxfp8")
     model = Qwen3MoE(ARGS, dtype=dtype, device="cpu", weight_dtype=wdtype, kernel=kernel).init_random(3, std=0.08)
-    eng = RolloutEngine(model, max_num_seqs=1, max_model_len=32)
+    # A prefill budget under ROW_MULTIPLE: the prompt's forward has no padding rows, which the hooks would see.
+    eng = RolloutEngine(model, max_num_seqs=1, max_model_len=32, max_prefill_tokens=ROW_MULTIPLE - 1)
     spy = RouterInputs(model)
     try:
         [r] = eng.generate([[5, 9, 200, 41]], SamplingParams(temperature=0.9, max_tokens=3, seed=1,

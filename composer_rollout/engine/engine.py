@@ -38,6 +38,17 @@ from composer_rollout.model import PRESETS, ModelArgs, Qwen3MoE, load_checkpoint
 from composer_rollout.sync.update import WeightUpdate
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# Prefill rows are padded to a multiple of this where the budget and the context allow. The Triton kernels specialise
+# on whether their size arguments divide by 16, and the first use of each variant in a process costs a load from
+# Triton's cache (a compilation on a fresh machine): rounded, prompts of any length meet one variant per tile bucket
+# instead of three, for at most 15 padding rows each.
+ROW_MULTIPLE = 16
+
+
+def padded_len(n: int, rows: int, budget: int, limit: int) -> int:
+    """n rounded up to ROW_MULTIPLE when `rows` rows of it fit `budget` and it stays within `limit`; else n."""
+    m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+    return m if rows * m <= budget and m <= limit else n
 
 
 def resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
@@ -118,11 +129,14 @@ class RolloutEngine:
             if bad:
                 raise ValueError(f"{what}[{i}] has token id {bad[0]!r} outside [0, vocab_size={vocab})")
 
-    def _forward_chunk(self, token_ids: list[int], start: int, slot: int, capture: ExpertCapture | None):
-        """Tokens at positions start.. of `slot` into its cache; the last one's hidden state [H]."""
-        ids = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
-        return self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)[0, -1]
+    def _forward_chunk(self, token_ids: list[int], start: int, slot: int, length: int,
+                       capture: ExpertCapture | None):
+        """Tokens at positions start.. of `slot` into its cache, padded to `length` (the padding's keys land past the
+        prompt, where its first decode steps write their own before reading them); the last token's hidden state."""
+        ids = torch.tensor([token_ids + [0] * (length - len(token_ids))], device=self.device)
+        positions = torch.arange(start, start + length, device=self.device)[None]
+        hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)
+        return hidden[0, len(token_ids) - 1]
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, *, prompt_index: int = 0,
                     request_id: str | None = None) -> str:
@@ -251,18 +265,19 @@ class RolloutEngine:
         return (floats[0], ints[0], floats[1], ints[1], ints[2]), filtered, ints[3:]
 
     def _prefill_chunk(self, budget: int) -> tuple[int, list[RolloutResult]]:
-        """The next chunk (at most `budget` tokens) of the request being prefilled; after its last chunk the prompt's
-        KV goes to the group's other slots, each sample draws its first token and goes live. Returns (tokens,
+        """The next chunk (at most `budget` rows) of the request being prefilled; after its last chunk the prompt's
+        KV goes to the group's other slots, each sample draws its first token and goes live. Returns (rows,
         finished samples)."""
         start_time, pre = time.perf_counter(), self._prefilling
         req = pre.request
         size = min(budget, pre.remaining)
+        length = padded_len(size, 1, budget, self.max_model_len - pre.done)
         chunk = req.prompt[pre.done:pre.done + size]
-        capture = self._capture(size) if req.sampling.return_routed_experts else None
-        last = self._forward_chunk(chunk, pre.done, pre.slots[0], capture)
+        capture = self._capture(length) if req.sampling.return_routed_experts else None
+        last = self._forward_chunk(chunk, pre.done, pre.slots[0], length, capture)
         pre.done += size
         if capture is not None:
-            pre.routing.append(capture.all_rows())
+            pre.routing.append(capture.all_rows()[:size])
         finished = []
         if not pre.remaining:
             self._prefilling = None
@@ -271,10 +286,10 @@ class RolloutEngine:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so that prefill_s times the chunk, as the final one (.tolist())
         self.stats.prefill_tokens += size
-        self.stats.prefill_rows += size
+        self.stats.prefill_rows += length
         self.stats.prefill_chunks += 1
         self.stats.prefill_s += time.perf_counter() - start_time
-        return size, finished
+        return length, finished
 
     def _take_whole_prompts(self, budget: int) -> list[Prefill]:
         """Waiting groups, in order, whose whole prompts fit one forward of at most `budget` tokens with padding
@@ -291,14 +306,16 @@ class RolloutEngine:
             self._waiting.popleft()
         return [Prefill(req, [self._free.pop() for _ in range(req.sampling.n)]) for req in group]
 
-    def _prefill_whole(self, group: list[Prefill]) -> tuple[int, list[RolloutResult]]:
-        """Several groups' whole prompts in one forward: rows padded to the longest prompt, the padding tokens at
-        the positions after their row's prompt (their keys land where the row's first decode steps write theirs
-        before reading them, and nothing reads past its own position). One launch sequence instead of one per
-        prompt: prefill of short prompts is per-launch latency, not bytes. Returns (padded tokens, finished)."""
+    def _prefill_whole(self, group: list[Prefill], budget: int) -> tuple[int, list[RolloutResult]]:
+        """Several groups' whole prompts in one forward: rows padded to the longest prompt (rounded up to
+        ROW_MULTIPLE where `budget` allows), the padding tokens at the positions after their row's prompt (their keys
+        land where the row's first decode steps write theirs before reading them, and nothing reads past its own
+        position). One launch sequence instead of one per prompt: prefill of short prompts is per-launch latency,
+        not bytes. Returns (padded tokens, finished)."""
         start_time = time.perf_counter()
         lens = [len(p.request.prompt) for p in group]
-        B, S = len(group), max(lens)
+        B = len(group)
+        S = padded_len(max(lens), B, budget, self.max_model_len)
         ids = torch.tensor([p.request.prompt + [0] * (S - n) for p, n in zip(group, lens, strict=True)],
                            device=self.device)
         positions = torch.arange(S, device=self.device).repeat(B, 1)
@@ -377,7 +394,7 @@ class RolloutEngine:
         finished, budget = [], self.max_prefill_tokens
         while budget > 0:
             if self._prefilling is None and admit and (group := self._take_whole_prompts(budget)):
-                used, done = self._prefill_whole(group)
+                used, done = self._prefill_whole(group, budget)
                 budget -= used
                 finished += done
                 continue
