@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Prefill on the GPU in one device call: jobs/bench_prefill.py (a prefill forward per shape, first call and warm,
-# host and kernel time, against the roofline; the engine's prefill tokens/s per max_prefill_tokens), then the
-# rollout job on GRPO-shaped prompts twice (the first run compiles, the second reads Triton's disk cache): 32
-# prompts of 200-800 random tokens, 8 samples each, 256 tokens per sample, 128 slots, qwen3_30b_a3b (random init,
-# MXFP8 experts), kernel=auto with CUDA graphs, engine.max_prefill_tokens=$BUDGET (2048). Needs ray, hydra and
-# omegaconf carried as wheels in .whl (../shared/device/make-wheels.sh). Results land in $OUT (or ./out).
+# Prefill on the GPU in one device call. First the rollout job on GRPO-shaped prompts twice (on a fresh machine the
+# first run compiles, the second reads Triton's disk cache): 32 prompts of 200-800 random tokens, 8 samples each, 256
+# tokens per sample, 128 slots, qwen3_30b_a3b (random init, MXFP8 experts), kernel=auto with CUDA graphs,
+# engine.max_prefill_tokens=$BUDGET (2048). Then jobs/bench_prefill.py: a prefill forward per shape (first call and
+# warm, host and kernel time) against its roofline, and the engine's prefill tokens/s per max_prefill_tokens.
+# Needs ray, hydra and omegaconf carried as wheels in .whl (../shared/device/make-wheels.sh). Results land in $OUT
+# (or ./out).
 set -uo pipefail
 WHEELS=${WHEELS:-.whl} source "$(dirname "$0")/device_env.sh"
-timeout 420 python3 jobs/bench_prefill.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_prefill.log" | tail -60
 python3 - <<'PY'
 import json, random
 r = random.Random(0)
@@ -22,3 +22,4 @@ for run in first second; do
     engine.max_model_len=1536 engine.max_prefill_tokens="${BUDGET:-2048}" hydra.run.dir="/tmp/grpo_$run" \
     2>&1 | grep -v "^rollout: " | tail -22 | tee "$out/grpo_$run.log"
 done
+timeout 420 python3 jobs/bench_prefill.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_prefill.log" | tail -60
