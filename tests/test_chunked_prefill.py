@@ -1,6 +1,7 @@
-"""Chunked prefill (engine.max_prefill_tokens): a long prompt is prefilled over several steps, each followed by a
-decode step of the live sequences; the samples, logprobs and routed experts are those of a one-chunk prefill;
-abort and drain see the request in progress."""
+"""Prefill scheduling (engine.max_prefill_tokens): a long prompt is prefilled in chunks over several steps, each
+followed by a decode step of the live sequences; shorter ones go whole, several to a forward, picked by length next
+to the first waiting one; rows are padded to a multiple of 16 where that fits. The samples, logprobs and routed
+experts are those of a one-chunk prefill; abort and drain see the request in progress."""
 
 import numpy as np
 import pytest
@@ -22,6 +23,14 @@ def drain(engine) -> list:
     while engine.has_unfinished():
         out += engine.step()
     return sorted(out, key=lambda r: (r.prompt_index, r.sample_index))
+
+
+def record_shapes(monkeypatch, engine) -> list[tuple[int, int]]:
+    """The [B, S] of every prefill forward the engine runs from now on."""
+    shapes, forward = [], engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda ids, *a, **k: (ids.shape[1] > 1 and shapes.append(
+        tuple(ids.shape))) or forward(ids, *a, **k))
+    return shapes
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16])
@@ -76,18 +85,35 @@ def test_prefill_rows_round_up_to_a_multiple_of_16_where_budget_and_context_allo
     want = unpadded.generate(ps, sampling)
     assert unpadded.stats.prefill_rows == unpadded.stats.prefill_tokens
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=32, **ARGS)
-    shapes, forward = [], engine.model.forward
-    monkeypatch.setattr(engine.model, "forward", lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or
-                        forward(ids, *a, **k))
+    shapes = record_shapes(monkeypatch, engine)
     got = engine.generate(ps, sampling)
     # 5 alone (with 17: 2 x 17 > 32) padded to 16, then 17 to 32, then the 70 in chunks of 32, 32 and 6 -> 16.
-    assert [s for s in shapes if s[1] > 1] == [(1, 16), (1, 32), (1, 32), (1, 32), (1, 16)]
+    assert shapes == [(1, 16), (1, 32), (1, 32), (1, 32), (1, 16)]
     assert engine.stats.prefill_rows == 128 and engine.stats.prefill_tokens == 92
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
         assert a.routed_experts.shape == b.routed_experts.shape
         assert (a.routed_experts != b.routed_experts).mean() < 0.01  # near-ties only, as above
+
+
+@pytest.mark.parametrize("lengths, forwards", [
+    # The first waiting prompt (10) goes with the one no longer than it (9), then the shortest longer one (12) while
+    # 3 rows of 12 fit 40; the 30 follows alone. In arrival order it would have been 10 alone (10 + 30: 2 x 30 > 40).
+    ([10, 30, 9, 12], [(3, 12), (1, 32)]),
+    # The first waiting prompt goes first even when the others would fill the budget better without it; the
+    # leftover 8 rows take one 5 (unpadded: 16 > 8), the next step the other.
+    ([30, 5, 5], [(1, 32), (1, 5), (1, 16)]),
+])
+def test_whole_prompts_are_grouped_by_length_around_the_first_waiting_one(monkeypatch, lengths, forwards):
+    ps = [prompt(20 + i, n) for i, n in enumerate(lengths)]
+    sampling = SamplingParams(temperature=0.9, max_tokens=3, seed=4)
+    engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=40, **ARGS)
+    shapes = record_shapes(monkeypatch, engine)
+    got = engine.generate(ps, sampling)
+    assert shapes == forwards
+    want = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=15, **ARGS).generate(ps, sampling)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
 def test_live_sequences_decode_while_a_long_prompt_is_prefilled():

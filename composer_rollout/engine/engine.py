@@ -4,8 +4,9 @@ Shaped like vLLM's offline API (`from_pretrained`, `generate`, `SamplingParams`)
 The loop is continuous batching over a fixed set of KV-cache slots: a prompt group (its n samples)
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
 and every step decodes all live sequences together. A finished sequence frees its slot at once. Prompts that
-fit the step's prefill budget whole are prefilled several to a forward (padded rows); one longer than the whole
-budget goes in chunks on its own, from a step's start.
+fit the step's prefill budget whole are prefilled several to a forward (rows padded to the longest, so they are
+picked by length around the first waiting one); one longer than the whole budget goes in chunks on its own, from a
+step's start.
 
 Weights change only between steps: `begin_update` stages a new version beside the live weights
 (composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
@@ -292,18 +293,32 @@ class RolloutEngine:
         return length, finished
 
     def _take_whole_prompts(self, budget: int) -> list[Prefill]:
-        """Waiting groups, in order, whose whole prompts fit one forward of at most `budget` tokens with padding
-        (rows of the longest prompt's length) and whose n slots are free; empty when the first does not fit (it
-        goes through the chunked path)."""
-        group, longest, free = [], 0, len(self._free)
+        """Whole prompts for one forward of at most `budget` rows, each row as long as the longest prompt taken: the
+        first waiting group if it fits, then others among the groups whose n slots are free along with it (the
+        waiting queue's prefix that fits the free slots): those no longer than it, longest first, then longer ones,
+        shortest first, while the rows fit. Neighbours in length pad less than neighbours in arrival (docs/perf.md),
+        and the first group always goes, so no prompt waits behind later ones for more than its slots. Empty when
+        the first does not fit (it goes through the chunked path) or its slots are not free."""
+        window, free = [], len(self._free)
         for req in self._waiting:
-            longest_with = max(longest, len(req.prompt))
-            if req.sampling.n > free or (len(group) + 1) * longest_with > budget:
+            if req.sampling.n > free:
                 break
-            group.append(req)
-            longest, free = longest_with, free - req.sampling.n
-        for _ in group:
+            window.append(req)
+            free -= req.sampling.n
+        if not window or len(window[0].prompt) > budget:
+            return []
+        head = len(window[0].prompt)
+        shorter = sorted((r for r in window[1:] if len(r.prompt) <= head), key=lambda r: -len(r.prompt))
+        longer = sorted((r for r in window[1:] if len(r.prompt) > head), key=lambda r: len(r.prompt))
+        group, longest = [window[0]], head
+        for req in shorter + longer:
+            if (len(group) + 1) * max(longest, len(req.prompt)) <= budget:
+                group.append(req)
+                longest = max(longest, len(req.prompt))
+        taken = {id(r) for r in group}
+        for _ in window:
             self._waiting.popleft()
+        self._waiting.extendleft(reversed([r for r in window if id(r) not in taken]))
         return [Prefill(req, [self._free.pop() for _ in range(req.sampling.n)]) for req in group]
 
     def _prefill_whole(self, group: list[Prefill], budget: int) -> tuple[int, list[RolloutResult]]:
