@@ -10,6 +10,8 @@ positions [B, S] int32 or int64. Query (b, s) attends to the keys of slot slots[
 out [B, S, Hq, D] bf16.
 """
 
+from itertools import pairwise
+
 import torch
 import triton
 
@@ -17,10 +19,10 @@ from kernels.moe_reference import check_tensor
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor, q_rows_strided: bool = False) -> None:
+                         positions: torch.Tensor, q_rows_strided: bool = False, packed: bool = False) -> None:
     """Dtypes, shapes, strides and devices of a cache-attention call; each error names the argument.
     q_rows_strided: q may be a view of a wider buffer (e.g. the fused qkv projection's output): each row's heads
-    contiguous, any stride between rows."""
+    contiguous, any stride between rows. packed: q is one row of several sequences, slots one per sequence."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, S, Hq, D], got shape {tuple(q.shape)}")
     B, S, Hq, D = q.shape
@@ -41,7 +43,10 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"q has {Hq} heads, not a multiple of the cache's {Hkv} kv heads")
     if D & (D - 1) or D < 16:
         raise ValueError(f"head dim {D} must be a power of two >= 16")
-    for name, t, shape in (("slots", slots, (B,)), ("positions", positions, (B, S))):
+    if packed and B != 1:
+        raise ValueError(f"packed sequences come as one row: q must be [1, T, Hq, D], got {tuple(q.shape)}")
+    slot_shape = (slots.shape[0],) if packed and slots.dim() == 1 else (B,)
+    for name, t, shape in (("slots", slots, slot_shape), ("positions", positions, (B, S))):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
         if tuple(t.shape) != shape or t.device != q.device:
@@ -64,3 +69,15 @@ def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mask = key_pos[None, None, :] <= positions.long()[:, :, None]  # [B, S, L]
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     return torch.einsum("bhsl,blhd->bshd", torch.softmax(scores, dim=-1), values)
+
+
+def packed_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                               positions: torch.Tensor, seq_starts: torch.Tensor,
+                               scale: float | None = None) -> torch.Tensor:
+    """The op on packed sequences (prefill_attention's `packed`: q [1, T, Hq, D], sequence i the tokens
+    seq_starts[i] .. seq_starts[i + 1] - 1 on slot slots[i], seq_starts ending at T), one sequence at a time."""
+    bounds = seq_starts.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(a > b for a, b in pairwise(bounds)):
+        raise ValueError(f"seq_starts {bounds} must rise from 0 to T = {q.shape[1]}")
+    return torch.cat([cache_attention_reference(q[:, a:b], k_cache, v_cache, slots[i:i + 1], positions[:, a:b], scale)
+                      for i, (a, b) in enumerate(pairwise(bounds))], dim=1)

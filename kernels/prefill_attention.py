@@ -7,9 +7,12 @@ D head dim (power of two >= 16), N cache slots, L cache positions per slot.
 Layout: q [B, S, Hq, D] bf16, one layer's cache k, v [N, L, Hkv, D] bf16 (contiguous), slots [B], positions [B, S]
 (int32 or int64) -> out [B, S, Hq, D] bf16. Query (b, s), head h reads kv head h // G of slot slots[b] at cache
 positions 0..positions[b, s].
+Packed (`packed=(seq_starts, longest)`, the engine's whole-prompt prefill without padding rows): q [1, T, Hq, D] holds
+B sequences back to back, sequence b being tokens seq_starts[b] .. seq_starts[b + 1] - 1 (int32 [B + 1]) on slot
+slots[b]; the grid is sized for the longest, and the blocks past a shorter sequence's end read nothing.
 
-Packed GQA: one program per (block of BLOCK_M query rows, row b, kv head), where the S * G query rows of a kv head
-are ordered (token, head in group): row r is token r // G, head r % G. The G heads reading one kv head share its
+Packed GQA: one program per (block of BLOCK_M query rows, row or sequence b, kv head), where the S * G query rows of a
+kv head are ordered (token, head in group): row r is token r // G, head r % G. The G heads reading one kv head share its
 K/V tiles in one program, so a short chunk (S * G >= BLOCK_M rows, i.e. S >= 16 tokens at G = 8) still fills the
 MMA's M dimension, and a block spans BLOCK_M / G tokens, so the causal diagonal (masked blocks, wasted half-blocks)
 is G times thinner than one head per program would make it. Rows are independent: any positions work (padding
@@ -73,23 +76,31 @@ def _kv_block(acc, m_i, l_i, q, k_base, v_base, n0, pos, kv_end, qk_scale, KV_ST
 
 
 @triton.jit
-def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, S, L, qk_scale, HQ: tl.constexpr,
-                              HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT: tl.constexpr, WHILE: tl.constexpr):
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, starts_ptr, out_ptr, S, L, qk_scale,
+                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, WHILE: tl.constexpr):
     G: tl.constexpr = HQ // HKV
     blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the latest (longest) query blocks start first
     b = tl.program_id(1) // HKV
     hkv = tl.program_id(1) % HKV
+    if PACKED:  # sequence b is tokens starts[b] .. starts[b + 1] - 1 of the one packed row
+        start = tl.load(starts_ptr + b).to(tl.int64)
+        n = (tl.load(starts_ptr + b + 1) - start).to(tl.int32)
+    else:
+        start = b.to(tl.int64) * S
+        n = S
     rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < S * G
+    row_ok = rows < n * G
     tok = rows // G
     d = tl.arange(0, D)
     # int64: B * S * Hq * D and N * L * Hkv * D pass 2^31 at real shapes; offsets within one slot stay int32.
-    row_off = (b.to(tl.int64) * S + tok) * (HQ * D) + (hkv * G + rows % G) * D
+    row_off = (start + tok) * (HQ * D) + (hkv * G + rows % G) * D
     q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
-    pos = tl.minimum(tl.load(pos_ptr + b.to(tl.int64) * S + tok, mask=row_ok, other=0), L - 1).to(tl.int32)
-    kv_end = tl.max(pos, axis=0) + 1
-    full_end = (tl.min(tl.where(row_ok, pos, L - 1), axis=0) + 1) // BLOCK_N * BLOCK_N
+    pos = tl.minimum(tl.load(pos_ptr + start + tok, mask=row_ok, other=0), L - 1).to(tl.int32)
+    # A packed sequence shorter than the longest leaves some of its programs without rows: they read no keys.
+    some = blk * BLOCK_M < n * G
+    kv_end = tl.where(some, tl.max(pos, axis=0) + 1, 0)
+    full_end = tl.where(some, (tl.min(tl.where(row_ok, pos, L - 1), axis=0) + 1) // BLOCK_N * BLOCK_N, 0)
     kv_off = tl.load(slots_ptr + b).to(tl.int64) * L * (HKV * D) + hkv * D
     k_base = k_ptr + kv_off
     v_base = v_ptr + kv_off
@@ -114,7 +125,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, 
         for n0 in tl.range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _kv_block(acc, m_i, l_i, q, k_base, v_base, n0, pos, kv_end, qk_scale, HKV * D, D,
                                       BLOCK_N, DOT, True)
-    out = acc / l_i[:, None]
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # rows past the sequence (not stored) would divide 0 by 0
     tl.store(out_ptr + row_off[:, None] + d[None, :], out.to(tl.bfloat16), mask=row_ok[:, None])
 
 
@@ -133,25 +144,36 @@ def launch_config(head_dim: int) -> dict:
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      positions: torch.Tensor, *, scale: float | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor, *, scale: float | None = None, out: torch.Tensor | None = None,
+                      packed: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """out[b, s, h] = softmax(q[b, s, h] . K^T * scale) @ V over kv head h // (Hq // Hkv) of slot slots[b], cache
     positions 0..positions[b, s]; scale defaults to D ** -0.5. Writes and returns `out` [B, S, Hq, D] bf16 (allocated
-    when not given). The new tokens' K/V must be in the cache already."""
-    check_attention_args(q, k_cache, v_cache, slots, positions)
+    when not given). The new tokens' K/V must be in the cache already.
+    packed (seq_starts, longest): q is one row of T tokens [1, T, Hq, D] (positions [1, T]) holding len(slots)
+    sequences back to back, sequence i being tokens seq_starts[i] .. seq_starts[i + 1] - 1 (int32 [len(slots) + 1] on
+    q's device, from 0 to T: unchecked, that would need a host sync) and reading slot slots[i]; `longest` (a host
+    int, at least the longest sequence) sizes the grid."""
+    check_attention_args(q, k_cache, v_cache, slots, positions, packed=packed is not None)
     B, S, Hq, D = q.shape
     _, L, Hkv, _ = k_cache.shape
     if out is None:
         out = torch.empty_like(q)
     check_tensor("out", out, torch.bfloat16, (B, S, Hq, D), q.device)
-    if B * Hkv > 65535:  # the grid's second dimension, a CUDA limit
-        raise ValueError(f"B * Hkv = {B * Hkv} programs exceed the grid's 65535: split the batch")
-    if B == 0 or S == 0:
+    rows, longest, starts = B, S, positions  # `starts` unread unless packed
+    if packed is not None:
+        starts, longest = packed
+        rows = slots.shape[0]
+        check_tensor("seq_starts", starts, torch.int32, (rows + 1,), q.device)
+        if not (isinstance(longest, int) and 0 < longest <= S):
+            raise ValueError(f"packed: the longest sequence {longest!r} must be an int in [1, T={S}]")
+    if rows * Hkv > 65535:  # the grid's second dimension, a CUDA limit
+        raise ValueError(f"{rows} sequences x Hkv = {rows * Hkv} programs exceed the grid's 65535: split the batch")
+    if rows == 0 or S == 0:
         return out
     scale = D**-0.5 if scale is None else float(scale)
     cfg = launch_config(D)
-    grid = (triton.cdiv(S * (Hq // Hkv), cfg["BLOCK_M"]), B * Hkv)
-    _prefill_attention_kernel[grid](q, k_cache, v_cache, slots, positions, out, S, L, scale * _LOG2E, HQ=Hq, HKV=Hkv,
-                                    D=D, DOT=dot_dtype(),
+    grid = (triton.cdiv(longest * (Hq // Hkv), cfg["BLOCK_M"]), rows * Hkv)
+    _prefill_attention_kernel[grid](q, k_cache, v_cache, slots, positions, starts, out, S, L, scale * _LOG2E, HQ=Hq,
+                                    HKV=Hkv, D=D, DOT=dot_dtype(), PACKED=packed is not None,
                                     WHILE=triton.knobs.runtime.interpret, **cfg)
     return out

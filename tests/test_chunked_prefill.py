@@ -1,6 +1,6 @@
 """Prefill scheduling (engine.max_prefill_tokens): a long prompt is prefilled in chunks over several steps, each
-followed by a decode step of the live sequences; shorter ones go whole, several to a forward, picked by length next
-to the first waiting one; rows are padded to a multiple of 16 where that fits. The samples, logprobs and routed
+followed by a decode step of the live sequences; shorter ones go whole, several to a forward packed in one row, in
+arrival order; a forward's rows are padded to a multiple of 16 where that fits. The samples, logprobs and routed
 experts are those of a one-chunk prefill; abort and drain see the request in progress."""
 
 import numpy as np
@@ -26,10 +26,15 @@ def drain(engine) -> list:
 
 
 def record_shapes(monkeypatch, engine) -> list[tuple[int, int]]:
-    """The [B, S] of every prefill forward the engine runs from now on."""
+    """(sequences, rows) of every prefill forward the engine runs from now on."""
     shapes, forward = [], engine.model.forward
-    monkeypatch.setattr(engine.model, "forward", lambda ids, *a, **k: (ids.shape[1] > 1 and shapes.append(
-        tuple(ids.shape))) or forward(ids, *a, **k))
+
+    def spy(ids, positions, slots, *args, **kwargs):
+        if ids.shape[1] > 1:
+            shapes.append((slots.shape[0], ids.shape[1]))
+        return forward(ids, positions, slots, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
     return shapes
 
 
@@ -73,12 +78,12 @@ def test_only_a_prompt_longer_than_the_budget_is_chunked_and_from_a_fresh_budget
 
 
 def test_prefill_rows_round_up_to_a_multiple_of_16_where_budget_and_context_allow(monkeypatch):
-    """Whole-prompt rows and chunks are padded to ROW_MULTIPLE (fewer kernel variants on the GPU) unless that would
-    pass the budget or max_model_len; the samples are those of unpadded forwards."""
+    """Packed whole prompts and chunks are padded to ROW_MULTIPLE rows (fewer kernel variants on the GPU) unless that
+    would pass the budget or max_model_len; the samples are those of unpadded forwards."""
     assert ROW_MULTIPLE == 16
-    assert [padded_len(n, rows, budget, limit) for n, rows, budget, limit in [
-        (5, 1, 64, 96), (16, 1, 64, 96), (17, 2, 64, 96), (17, 3, 64, 96), (35, 1, 64, 40), (7, 1, 10, 96)]] == [
-        16, 16, 32, 17, 35, 7]  # (17, 3): 3 x 32 > 64; (35, 1): 48 > max_model_len 40; (7, 1): 16 > budget 10
+    assert [padded_len(n, budget, limit) for n, budget, limit in [
+        (5, 64, 96), (16, 64, 96), (17, 64, 96), (33, 40, 96), (35, 64, 40), (7, 10, 96)]] == [
+        16, 16, 32, 33, 35, 7]  # 48 > budget 40; 48 > the limit 40; 16 > budget 10
     ps = [prompt(12, 5), prompt(13, 17), prompt(14, 70)]
     sampling = SamplingParams(temperature=0.9, max_tokens=4, n=2, seed=3, return_routed_experts=True)
     unpadded = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=15, **ARGS)  # 16 never fits: no padding
@@ -87,9 +92,9 @@ def test_prefill_rows_round_up_to_a_multiple_of_16_where_budget_and_context_allo
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=32, **ARGS)
     shapes = record_shapes(monkeypatch, engine)
     got = engine.generate(ps, sampling)
-    # 5 alone (with 17: 2 x 17 > 32) padded to 16, then 17 to 32, then the 70 in chunks of 32, 32 and 6 -> 16.
-    assert shapes == [(1, 16), (1, 32), (1, 32), (1, 32), (1, 16)]
-    assert engine.stats.prefill_rows == 128 and engine.stats.prefill_tokens == 92
+    # 5 and 17 packed (22 rows -> 32), then the 70 in chunks of 32, 32 and 6 -> 16 once their slots are free.
+    assert shapes == [(2, 32), (1, 32), (1, 32), (1, 16)]
+    assert engine.stats.prefill_rows == 112 and engine.stats.prefill_tokens == 92
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
@@ -97,23 +102,22 @@ def test_prefill_rows_round_up_to_a_multiple_of_16_where_budget_and_context_allo
         assert (a.routed_experts != b.routed_experts).mean() < 0.01  # near-ties only, as above
 
 
-@pytest.mark.parametrize("lengths, forwards", [
-    # The first waiting prompt (10) goes with the one no longer than it (9), then the shortest longer one (12) while
-    # 3 rows of 12 fit 40; the 30 follows alone. In arrival order it would have been 10 alone (10 + 30: 2 x 30 > 40).
-    ([10, 30, 9, 12], [(3, 12), (1, 32)]),
-    # The first waiting prompt goes first even when the others would fill the budget better without it; the
-    # leftover 8 rows take one 5 (unpadded: 16 > 8), the next step the other.
-    ([30, 5, 5], [(1, 32), (1, 5), (1, 16)]),
-])
-def test_whole_prompts_are_grouped_by_length_around_the_first_waiting_one(monkeypatch, lengths, forwards):
-    ps = [prompt(20 + i, n) for i, n in enumerate(lengths)]
-    sampling = SamplingParams(temperature=0.9, max_tokens=3, seed=4)
+def test_whole_prompts_pack_into_one_row_in_arrival_order(monkeypatch):
+    """10 + 30 fill the budget of 40 exactly (the 9 waits: 49 > 40; 40 rounds to 48 > 40, so no padding), then
+    9 + 12 in 21 rows, rounded to 32; no row pads a prompt to another's length."""
+    ps = [prompt(20 + i, n) for i, n in enumerate([10, 30, 9, 12])]
+    sampling = SamplingParams(temperature=0.9, max_tokens=3, seed=4, return_routed_experts=True)
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=40, **ARGS)
     shapes = record_shapes(monkeypatch, engine)
     got = engine.generate(ps, sampling)
-    assert shapes == forwards
+    assert shapes == [(2, 40), (2, 32)]
+    assert engine.stats.prefill_rows == 72 and engine.stats.prefill_tokens == 61
     want = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=15, **ARGS).generate(ps, sampling)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert a.routed_experts.shape == b.routed_experts.shape
+        assert (a.routed_experts != b.routed_experts).mean() < 0.01
 
 
 def test_live_sequences_decode_while_a_long_prompt_is_prefilled():

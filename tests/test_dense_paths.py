@@ -11,7 +11,7 @@ import torch
 from composer_rollout import RolloutEngine, SamplingParams
 from composer_rollout.config import EngineConfig
 from composer_rollout.engine.capture import ExpertCapture
-from composer_rollout.model import Qwen3MoE, preset
+from composer_rollout.model import Packed, Qwen3MoE, preset
 from composer_rollout.model.checkpoint import hub_state_dict
 from jobs.bench_decode import fp32_twin
 
@@ -42,6 +42,31 @@ def test_triton_dense_backend_matches_torch(chunk):
     # kernels, BF16 scores in math SDPA, BF16 RoPE in torch).
     assert (got - want).abs().max() < 0.05, (got - want).abs().max()
     assert torch.allclose(torch.tensor(fast.score(rows, completions, temperature=0.9)), got, atol=0.02)
+
+
+@pytest.mark.parametrize("dense", ["torch", "triton"])
+def test_packed_prompts_equal_one_forward_each(dense):
+    """Three prompts back to back in one row (model.Packed, as the engine prefills whole prompts) against one forward
+    per prompt: the same final hidden states (to BF16 rounding: the MoE and projections see other token counts)
+    and the same keys and values in each prompt's slot; a packing that does not tile the row is refused."""
+    m = model(dense, layers=2)
+    ps, slots = prompts(7, [6, 1, 9]), [2, 0, 1]
+    alone_cache, packed_cache = m.new_kv_cache(3, 16), m.new_kv_cache(3, 16)
+    with torch.inference_mode():
+        alone = [m(torch.tensor([p], device=DEVICE), torch.arange(len(p), device=DEVICE)[None],
+                   torch.tensor([s], device=DEVICE), alone_cache)[0] for p, s in zip(ps, slots, strict=True)]
+        packed = Packed.of([len(p) for p in ps], slots, DEVICE)
+        ids = torch.tensor([[t for p in ps for t in p]], device=DEVICE)
+        positions = torch.tensor([[i for p in ps for i in range(len(p))]], device=DEVICE)
+        got = m(ids, positions, torch.tensor(slots, device=DEVICE), packed_cache, packed=packed)[0]
+        with pytest.raises(ValueError, match="must tile one row of 15 tokens"):
+            m(ids[:, :15], positions[:, :15], torch.tensor(slots, device=DEVICE), packed_cache, packed=packed)
+    want = torch.cat(alone).float()
+    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()
+    for s, p in zip(slots, ps, strict=True):
+        for a, b in ((alone_cache.k, packed_cache.k), (alone_cache.v, packed_cache.v)):
+            assert torch.allclose(a[:, s, :len(p)].float(), b[:, s, :len(p)].float(), atol=2e-2, rtol=2e-2)
+    assert not packed_cache.k[:, 3].any(), "the scratch slot was written"
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 12, 17])

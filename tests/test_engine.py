@@ -28,12 +28,12 @@ def tiny_model(**overrides) -> Qwen3MoE:
 
 
 def spy_forward(monkeypatch, model) -> list[tuple[int, ...]]:
-    """Record the input_ids shape of every model forward."""
+    """Record (sequences, tokens per sequence or, packed, in the row) of every model forward."""
     shapes, orig = [], model.forward
 
-    def forward(input_ids, positions, slots, cache, capture=None):
-        shapes.append(tuple(input_ids.shape))
-        return orig(input_ids, positions, slots, cache, capture)
+    def forward(input_ids, positions, slots, cache, capture=None, packed=None):
+        shapes.append((slots.shape[0], input_ids.shape[1]))
+        return orig(input_ids, positions, slots, cache, capture, packed)
 
     monkeypatch.setattr(model, "forward", forward)
     return shapes
@@ -135,13 +135,13 @@ def test_continuous_batching_matches_a_run_with_plenty_of_slots(monkeypatch, eng
     assert_same(results, reference5)
     prefills = [s for s in shapes if s[1] > 1]  # prompts have >= 3 tokens
     decodes = [s[0] for s in shapes if s[1] == 1]
-    # Each prompt prefilled once (its n samples share the prompt's KV), whole prompts as many to a forward as have
-    # free slots (n = 2 each), decode batches are buckets.
+    # Each prompt prefilled once (its n samples share the prompt's KV), whole prompts as many to a forward (packed
+    # in one row) as have free slots (n = 2 each), decode batches are buckets.
     assert sum(s[0] for s in prefills) == len(PROMPTS5)
     assert max(s[0] for s in prefills) == max_num_seqs // 2
-    # The counters the rollout summary prints: forwards, and rows computed with the padding to the longest prompt.
+    # The counters the rollout summary prints: forwards, and rows computed (padding only to a multiple of 16).
     assert small.stats.prefill_chunks == len(prefills)
-    assert small.stats.prefill_rows == sum(b * s for b, s in prefills)
+    assert small.stats.prefill_rows == sum(rows for _, rows in prefills)
     assert small.stats.prefill_tokens == sum(len(p) for p in PROMPTS5)
     assert set(decodes) <= set(small.buckets) and max(decodes) <= max_num_seqs
     assert len(shapes) == len(prefills) + len(decodes)

@@ -9,10 +9,12 @@ The interpreter runs the kernel's while loops, the GPU its pipelined for loops (
 GPU (marker `gpu`): the Qwen3-30B-A3B shape (Hq 32, Hkv 4, D 128), a prompt and a chunk after a 1024 prefix.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
-from kernels.attention_reference import cache_attention_reference
+from kernels.attention_reference import cache_attention_reference, packed_attention_reference
 from kernels.prefill_attention import prefill_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +104,36 @@ def test_chunked_prefill_equals_one_call(cut):
     parts = [_run(q[:, a:b].contiguous(), k, v, slots, positions[:, a:b].contiguous()) for a, b in ((0, cut),
                                                                                                    (cut, 45))]
     assert torch.equal(torch.cat(parts, dim=1), whole)
+
+
+@pytest.mark.parametrize("G", [2, 8])
+def test_packed_sequences_equal_one_call_each(G):
+    """Three sequences back to back in one row (prefill_attention's `packed`): lengths 9, 1 and 20, one a chunk after
+    a cached prefix, on their own slots; bit-identical to one call per sequence and within BF16 rounding of the
+    reference. Output rows are NaN-poisoned first, so a token left unwritten shows."""
+    Hkv = 2 if G == 2 else 1
+    lens, firsts, slot_list = [9, 1, 20], [0, 7, 30], [2, 0, 1]
+    T = sum(lens)
+    q, k, v, _, _ = _problem(1, T, G * Hkv, Hkv, 32, 3, 61, [0], [0], seed=3)
+    positions = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lens, strict=True)])[None].to(DEVICE)
+    slots = torch.tensor(slot_list, device=DEVICE)
+    starts = torch.tensor([0, 9, 10, 30], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k, v, slots, positions, out=out, packed=(starts, max(lens)))
+    assert torch.isfinite(out).all(), "a packed token's output was left unwritten"
+    alone = [_run(q[:, a:b].contiguous(), k, v, slots[i:i + 1], positions[:, a:b].contiguous())
+             for i, (a, b) in enumerate(pairwise(starts.tolist()))]
+    assert torch.equal(out, torch.cat(alone, dim=1))
+    ref = packed_attention_reference(q, k, v, slots, positions, starts)
+    tol = EPS * (ref.abs() + packed_attention_reference(q, k, v.abs(), slots, positions, starts)) + 1e-5
+    assert ((out.float() - ref).abs() <= tol).all()
+    with pytest.raises(ValueError, match="packed sequences come as one row"):
+        prefill_attention(q.view(2, T // 2, G * Hkv, 32), k, v, slots, positions.view(2, T // 2),
+                          packed=(starts, 20))
+    with pytest.raises(ValueError, match="longest sequence"):
+        prefill_attention(q, k, v, slots, positions, packed=(starts, T + 1))
+    with pytest.raises(TypeError, match="seq_starts must be a torch.int32"):
+        prefill_attention(q, k, v, slots, positions, packed=(starts.long(), 20))
 
 
 def test_index_dtypes_and_determinism():

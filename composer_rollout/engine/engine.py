@@ -4,9 +4,8 @@ Shaped like vLLM's offline API (`from_pretrained`, `generate`, `SamplingParams`)
 The loop is continuous batching over a fixed set of KV-cache slots: a prompt group (its n samples)
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
 and every step decodes all live sequences together. A finished sequence frees its slot at once. Prompts that
-fit the step's prefill budget whole are prefilled several to a forward (rows padded to the longest, so they are
-picked by length around the first waiting one); one longer than the whole budget goes in chunks on its own, from a
-step's start.
+fit the step's prefill budget whole are prefilled several to a forward, packed back to back in one row; one longer
+than the whole budget goes in chunks on its own, from a step's start.
 
 Weights change only between steps: `begin_update` stages a new version beside the live weights
 (composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
@@ -35,21 +34,21 @@ from composer_rollout.engine.graphs import DecodeGraphs
 from composer_rollout.engine.memory import kv_slots
 from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
 from composer_rollout.engine.sequence import EngineStats, Prefill, Request, Sequence, batch_buckets, sample_seed
-from composer_rollout.model import PRESETS, ModelArgs, Qwen3MoE, load_checkpoint, preset
+from composer_rollout.model import PRESETS, ModelArgs, Packed, Qwen3MoE, load_checkpoint, preset
 from composer_rollout.sync.update import WeightUpdate
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-# Prefill rows are padded to a multiple of this where the budget and the context allow. The Triton kernels specialise
-# on whether their size arguments divide by 16, and the first use of each variant in a process costs a load from
-# Triton's cache (a compilation on a fresh machine): rounded, prompts of any length meet one variant per tile bucket
-# instead of three, for at most 15 padding rows each.
+# A prefill forward's rows are padded to a multiple of this where the budget and the context allow. The Triton kernels
+# specialise on whether their size arguments divide by 16, and the first use of each variant in a process costs a
+# load from Triton's cache (a compilation on a fresh machine): rounded, prompts of any length meet one variant per
+# tile bucket instead of three, for at most 15 padding rows a forward.
 ROW_MULTIPLE = 16
 
 
-def padded_len(n: int, rows: int, budget: int, limit: int) -> int:
-    """n rounded up to ROW_MULTIPLE when `rows` rows of it fit `budget` and it stays within `limit`; else n."""
+def padded_len(n: int, budget: int, limit: int) -> int:
+    """n rounded up to ROW_MULTIPLE when that fits both `budget` and `limit`; else n."""
     m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
-    return m if rows * m <= budget and m <= limit else n
+    return m if m <= min(budget, limit) else n
 
 
 def resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
@@ -272,7 +271,7 @@ class RolloutEngine:
         start_time, pre = time.perf_counter(), self._prefilling
         req = pre.request
         size = min(budget, pre.remaining)
-        length = padded_len(size, 1, budget, self.max_model_len - pre.done)
+        length = padded_len(size, budget, self.max_model_len - pre.done)
         chunk = req.prompt[pre.done:pre.done + size]
         capture = self._capture(length) if req.sampling.return_routed_experts else None
         last = self._forward_chunk(chunk, pre.done, pre.slots[0], length, capture)
@@ -293,62 +292,48 @@ class RolloutEngine:
         return length, finished
 
     def _take_whole_prompts(self, budget: int) -> list[Prefill]:
-        """Whole prompts for one forward of at most `budget` rows, each row as long as the longest prompt taken: the
-        first waiting group if it fits, then others among the groups whose n slots are free along with it (the
-        waiting queue's prefix that fits the free slots): those no longer than it, longest first, then longer ones,
-        shortest first, while the rows fit. Neighbours in length pad less than neighbours in arrival (docs/perf.md),
-        and the first group always goes, so no prompt waits behind later ones for more than its slots. Empty when
-        the first does not fit (it goes through the chunked path) or its slots are not free."""
-        window, free = [], len(self._free)
+        """Waiting groups, in order, whose whole prompts fit one forward of at most `budget` tokens together and whose
+        n slots are free; empty when the first does not fit (it goes through the chunked path, or waits for slots)."""
+        group, tokens, free = [], 0, len(self._free)
         for req in self._waiting:
-            if req.sampling.n > free:
+            if req.sampling.n > free or tokens + len(req.prompt) > budget:
                 break
-            window.append(req)
-            free -= req.sampling.n
-        if not window or len(window[0].prompt) > budget:
-            return []
-        head = len(window[0].prompt)
-        shorter = sorted((r for r in window[1:] if len(r.prompt) <= head), key=lambda r: -len(r.prompt))
-        longer = sorted((r for r in window[1:] if len(r.prompt) > head), key=lambda r: len(r.prompt))
-        group, longest = [window[0]], head
-        for req in shorter + longer:
-            if (len(group) + 1) * max(longest, len(req.prompt)) <= budget:
-                group.append(req)
-                longest = max(longest, len(req.prompt))
-        taken = {id(r) for r in group}
-        for _ in window:
+            group.append(req)
+            tokens, free = tokens + len(req.prompt), free - req.sampling.n
+        for _ in group:
             self._waiting.popleft()
-        self._waiting.extendleft(reversed([r for r in window if id(r) not in taken]))
         return [Prefill(req, [self._free.pop() for _ in range(req.sampling.n)]) for req in group]
 
     def _prefill_whole(self, group: list[Prefill], budget: int) -> tuple[int, list[RolloutResult]]:
-        """Several groups' whole prompts in one forward: rows padded to the longest prompt (rounded up to
-        ROW_MULTIPLE where `budget` allows), the padding tokens at the positions after their row's prompt (their keys
-        land where the row's first decode steps write theirs before reading them, and nothing reads past its own
-        position). One launch sequence instead of one per prompt: prefill of short prompts is per-launch latency,
-        not bytes. Returns (padded tokens, finished)."""
+        """Several groups' whole prompts in one forward, packed back to back in one row (model.Packed: no padding
+        rows; attention keeps each prompt to its own slot), the row rounded up to ROW_MULTIPLE where `budget` and the
+        last prompt's context allow by padding tokens at the positions after that prompt (their keys land where its
+        first decode steps write theirs before reading them). One launch sequence instead of one per prompt:
+        prefill of short prompts is per-launch latency, not bytes. Returns (rows, finished)."""
         start_time = time.perf_counter()
         lens = [len(p.request.prompt) for p in group]
-        B = len(group)
-        S = padded_len(max(lens), B, budget, self.max_model_len)
-        ids = torch.tensor([p.request.prompt + [0] * (S - n) for p, n in zip(group, lens, strict=True)],
-                           device=self.device)
-        positions = torch.arange(S, device=self.device).repeat(B, 1)
-        slots = torch.tensor([p.slots[0] for p in group], device=self.device)
+        real = sum(lens)
+        T = padded_len(real, budget, real + self.max_model_len - lens[-1])
+        ids = [t for p in group for t in p.request.prompt] + [0] * (T - real)
+        positions = [i for n in lens[:-1] for i in range(n)] + list(range(T - real + lens[-1]))
+        packed = Packed.of(lens[:-1] + [T - real + lens[-1]], [p.slots[0] for p in group], self.device)
         asked = any(p.request.sampling.return_routed_experts for p in group)
-        capture = self._capture(B * S) if asked else None
-        hidden = self.model(ids, positions, slots, self.cache, capture)
-        last = hidden[torch.arange(B, device=self.device), torch.tensor(lens, device=self.device) - 1]
-        routing = [None] * B
+        capture = self._capture(T) if asked else None
+        hidden = self.model(torch.tensor([ids], device=self.device), torch.tensor([positions], device=self.device),
+                            torch.tensor([p.slots[0] for p in group], device=self.device), self.cache, capture,
+                            packed)
+        starts = packed.starts[:-1]
+        last = hidden[0, torch.tensor([a + n - 1 for a, n in zip(starts, lens, strict=True)], device=self.device)]
+        routing = [None] * len(group)
         if capture is not None:
             rows = capture.all_rows()
-            routing = [rows[b * S:b * S + n] for b, n in enumerate(lens)]
+            routing = [rows[a:a + n] for a, n in zip(starts, lens, strict=True)]
         finished = self._go_live(group, last, routing)
-        self.stats.prefill_tokens += sum(lens)
-        self.stats.prefill_rows += B * S
+        self.stats.prefill_tokens += real
+        self.stats.prefill_rows += T
         self.stats.prefill_chunks += 1
         self.stats.prefill_s += time.perf_counter() - start_time
-        return B * S, finished
+        return T, finished
 
     def _go_live(self, group: list[Prefill], last: torch.Tensor, routing: list[np.ndarray | None]
                  ) -> list[RolloutResult]:

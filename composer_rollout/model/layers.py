@@ -28,6 +28,9 @@ GEMM (and the torch one in three, as Hugging Face does): whatever writes those w
 (copy_), never rebind them.
 """
 
+from dataclasses import dataclass
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,6 +109,30 @@ class KVCache:
             self.v[:, idx, :length] = self.v[:, src_slot : src_slot + 1, :length]
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Several sequences back to back in the one row of a forward (input_ids [1, T]), as the engine prefills whole
+    prompts without padding rows: sequence i is tokens starts[i] .. starts[i + 1] - 1 and uses cache slot slots[i]
+    of the forward's `slots`. Attention is the only op that needs to know: everything else is per token."""
+
+    starts: tuple[int, ...]  # host copy: the torch path's split, the grid's size
+    seq_starts: torch.Tensor  # int32 [sequences + 1] on the device
+    token_slots: torch.Tensor  # [T] each token's slot, where its key and value are cached
+
+    @classmethod
+    def of(cls, lengths: list[int], slots: list[int], device) -> "Packed":
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        token_slots = [s for s, n in zip(slots, lengths, strict=True) for _ in range(n)]
+        return cls(tuple(starts), torch.tensor(starts, dtype=torch.int32, device=device),
+                   torch.tensor(token_slots, device=device))
+
+    @property
+    def longest(self) -> int:
+        return max(b - a for a, b in pairwise(self.starts))
+
+
 class Attention(nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, eps, dtype, device, backend: str = "torch"):
         super().__init__()
@@ -127,11 +154,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)
         self.k_norm = RMSNorm(head_dim, eps, dtype, device)
 
-    def forward(self, x, positions, slots, layer: int, cache: KVCache, inv_freq):
-        """x [B, S, H], positions [B, S], slots [B] -> [B, S, H]; writes this layer's cache rows."""
+    def forward(self, x, positions, slots, layer: int, cache: KVCache, inv_freq, packed: Packed | None = None):
+        """x [B, S, H], positions [B, S], slots [B] -> [B, S, H]; writes this layer's cache rows. With `packed`, x is
+        one row of several sequences and slots has one per sequence."""
         B, S, _ = x.shape
         if self.backend == "triton":
-            return self._fused(x, positions, slots, layer, cache, inv_freq)
+            return self._fused(x, positions, slots, layer, cache, inv_freq, packed)
+        if packed is not None:  # the reference: one sequence at a time
+            bounds = list(pairwise(packed.starts))
+            return torch.cat([self(x[:, a:b], positions[:, a:b], slots[i:i + 1], layer, cache, inv_freq)
+                              for i, (a, b) in enumerate(bounds)], dim=1)
         q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
@@ -149,23 +181,24 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
-    def _fused(self, x, positions, slots, layer, cache, inv_freq):
+    def _fused(self, x, positions, slots, layer, cache, inv_freq, packed=None):
         # The launchers refuse what they cannot run (FP32 activations, CPU tensors outside Triton's interpreter).
-        return self._attend(fused_linear(x, self.qkv_weight), positions, slots, layer, cache, inv_freq)
+        return self._attend(fused_linear(x, self.qkv_weight), positions, slots, layer, cache, inv_freq, packed)
 
-    def add_norm_forward(self, x, residual, norm: "RMSNorm", positions, slots, layer, cache, inv_freq):
+    def add_norm_forward(self, x, residual, norm: "RMSNorm", positions, slots, layer, cache, inv_freq,
+                         packed: Packed | None = None):
         """(attention of norm(x + residual), x + residual) on the triton backend, the sum in FP32 (residual None at
         layer 0: the stream starts as the widened embedding); at a decode step's few tokens the add and the norm run
         inside the qkv projection's launch (add_norm_linear)."""
         B, S, H = x.shape
         if residual is None or B * S > skinny_max_tokens(self.qkv_weight.shape[0]):
             h, residual = norm.add_norm(x, residual, fused=True)
-            return self._fused(h, positions, slots, layer, cache, inv_freq), residual
+            return self._fused(h, positions, slots, layer, cache, inv_freq, packed), residual
         qkv, _, summed = add_norm_linear(x.view(B * S, H), residual.view(B * S, H), norm.weight, norm.eps,
                                          self.qkv_weight)
-        return self._attend(qkv, positions, slots, layer, cache, inv_freq), summed.view(B, S, H)
+        return self._attend(qkv, positions, slots, layer, cache, inv_freq, packed), summed.view(B, S, H)
 
-    def _attend(self, qkv, positions, slots, layer, cache, inv_freq):
+    def _attend(self, qkv, positions, slots, layer, cache, inv_freq, packed: Packed | None = None):
         """q/k-norm + RoPE + the cache write, attention and o_proj, from the projected qkv [B, S, q + k + v rows]. The
         output is FP32: the next add + norm takes it into the FP32 stream unrounded (its BF16 rounding was the
         second largest term of the decode path's distance from FP32: docs/perf.md, the accuracy attribution)."""
@@ -173,6 +206,14 @@ class Attention(nn.Module):
         qkv = qkv.view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # strided views
         k_cache, v_cache = cache.k[layer], cache.v[layer]
+        if packed is not None:  # each token is a row of its own for the cache write: its slot is per token
+            T, Hq, Hkv = S, self.num_heads, self.num_kv_heads
+            q = qk_norm_rope(q.view(T, 1, Hq, -1), k.view(T, 1, Hkv, -1), v.view(T, 1, Hkv, -1), self.q_norm.weight,
+                             self.k_norm.weight, self.q_norm.eps, inv_freq, positions.view(T, 1), packed.token_slots,
+                             k_cache, v_cache)
+            out = prefill_attention(q.view(1, T, Hq, -1), k_cache, v_cache, slots, positions,
+                                    packed=(packed.seq_starts, packed.longest))
+            return fused_linear(out.view(1, T, Hq * self.head_dim), self.o_proj.weight, torch.float32)
         # A decode step's attention kernel can normalise, rotate and cache q and k itself (one launch fewer) where
         # that pays for the batch's grid.
         if S == 1 and new_kv_pays(B, self.num_kv_heads, k_cache.shape[1]):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer_rollout.model.args import ModelArgs
-from composer_rollout.model.layers import Attention, KVCache, RMSNorm, check_dense, rope_inv_freq
+from composer_rollout.model.layers import Attention, KVCache, Packed, RMSNorm, check_dense, rope_inv_freq
 from composer_rollout.model.moe import SparseMoE, resolve_kernel_path
 from kernels import MXFP8Tensor, lm_head_logits, mxfp8_quantize
 
@@ -40,17 +40,18 @@ class DecoderLayer(nn.Module):
         self.self_attn.backend = dense
         self.mlp.fused_router = self.fused
 
-    def forward(self, x, residual, positions, slots, layer, cache, inv_freq, capture=None):
+    def forward(self, x, residual, positions, slots, layer, cache, inv_freq, capture=None,
+                packed: Packed | None = None):
         """(the previous block's output, the residual stream before it; None at layer 0) -> the same pair. The
         triton backend runs each add + norm inside the launch after it where it can (the qkv projection's, the
         router's): at batch 1 each small launch is a latency chain of a few µs (docs/perf.md)."""
         if not self.fused:
             h, residual = self.input_layernorm.add_norm(x, residual, False)
-            h = self.self_attn(h, positions, slots, layer, cache, inv_freq)
+            h = self.self_attn(h, positions, slots, layer, cache, inv_freq, packed)
             h, residual = self.post_attention_layernorm.add_norm(h, residual, False)
             return self.mlp(h, layer, capture), residual
         h, residual = self.self_attn.add_norm_forward(x, residual, self.input_layernorm, positions, slots, layer,
-                                                      cache, inv_freq)
+                                                      cache, inv_freq, packed)
         return self.mlp.add_norm_forward(h, residual, self.post_attention_layernorm, layer, capture)
 
 
@@ -129,12 +130,17 @@ class Qwen3MoE(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache, capture=None) -> torch.Tensor:
+                cache: KVCache, capture=None, packed: Packed | None = None) -> torch.Tensor:
         """input_ids, positions [B, S]; slots [B] -> final hidden states [B, S, H] (after the last norm).
-        `capture` (an ExpertCapture over B * S tokens, or None) records every layer's routed expert ids."""
+        `capture` (an ExpertCapture over B * S tokens, or None) records every layer's routed expert ids. `packed`
+        (composer_rollout.model.layers.Packed): one row [1, T] of several sequences, slots one per sequence."""
+        if packed is not None and (input_ids.shape[0] != 1 or packed.starts[-1] != input_ids.shape[1]
+                                   or len(packed.starts) != slots.shape[0] + 1):
+            raise ValueError(f"packed sequences {packed.starts} must tile one row of {input_ids.shape[1]} tokens "
+                             f"with one slot each, got input_ids {tuple(input_ids.shape)} and {slots.shape[0]} slots")
         x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, slots, i, cache, self.inv_freq, capture)
+            x, residual = layer(x, residual, positions, slots, i, cache, self.inv_freq, capture, packed)
         return self.norm.add_norm(x, residual, self.dense == "triton")[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
