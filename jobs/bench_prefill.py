@@ -7,15 +7,15 @@ first use of a shape (Triton compiling, or loading from its disk cache), the hos
 or a kernel.
 
 Sections (--sections):
-- forwards: for each B x S in --shapes, the engine's whole-prompt prefill: the model's forward of B rows of S random
-  tokens into empty slots, then the FP32 logits of each row's last token (kernel=auto, dense=triton, eager, as the
-  engine runs prefill). Per shape: the first call in this process, the median of --reps warm calls, the host's
-  part of a warm call (until everything is enqueued; near the total means the launches, not the GPU, set the
-  time), the kernels' summed GPU time from torch.profiler with the top kernels (GPU only), and the roofline:
-  max(FLOPs / BF16 matmul rate, bytes / streaming read), both measured in this run. FLOPs: the q/k/v, o and router
-  projections and the routed experts' GEMMs (2 x 3 x H x I per token-expert pair) per token, attention 4 x D x Hq x
-  (position + 1) per token, lm_head per row. Bytes: the dense weights, the experts the forward's tokens were routed
-  to (counted from its own routing) and the K/V it writes.
+- forwards: for each B x S in --shapes, the engine's whole-prompt prefill: the model's forward of B prompts of S random
+  tokens packed in one row into empty slots, then the FP32 logits of each prompt's last token (kernel=auto,
+  dense=triton, eager, as the engine runs prefill). Per shape: the first call in this process, the median of --reps
+  warm calls, the host's part of a warm call (until everything is enqueued; near the total means the launches, not
+  the GPU, set the time), the kernels' summed GPU time from torch.profiler with the top kernels (GPU only), and the
+  roofline: max(FLOPs / BF16 matmul rate, bytes / streaming read), both measured in this run. FLOPs: the q/k/v, o
+  and router projections and the routed experts' GEMMs (2 x 3 x H x I per token-expert pair) per token, attention
+  4 x D x Hq x (position + 1) per token, lm_head per prompt. Bytes: the dense weights, the experts the forward's
+  tokens were routed to (counted from its own routing) and the K/V it writes.
 - engine: RolloutEngine on --prompts prompts of random tokens, lengths uniform in [--min-len, --max-len], n = --n
   samples of one token each (the first token is drawn right after prefill, so the time is prefill), --slots KV
   slots, once per max_prefill_tokens in --budgets and twice each (the first run pays first use of its shapes):
@@ -38,7 +38,7 @@ import torch
 
 from composer_rollout.engine import RolloutEngine, SamplingParams
 from composer_rollout.engine.capture import ExpertCapture
-from composer_rollout.model import Qwen3MoE, preset
+from composer_rollout.model import Packed, Qwen3MoE, preset
 from jobs.bench_decode import host_read_ceiling_tbs, weight_bytes
 from jobs.bench_moe import bf16_matmul_tflops, read_ceiling_tbs
 from jobs.profile_decode import short_name
@@ -86,16 +86,19 @@ def kernel_times(call, dev) -> dict[str, list[float]]:
 @torch.inference_mode()
 def measure_shape(model, B: int, S: int, reps: int, gen):
     """(first call s, warm host s per call, warm total s per call, experts touched over all layers, kernel times)
-    of the prefill forward of B rows x S random tokens into a fresh cache."""
+    of the prefill forward of B prompts of S random tokens, packed in one row as the engine runs them, into a fresh
+    cache."""
     a, dev = model.args, model.device
     cache = model.new_kv_cache(B, S + 1)
-    ids = torch.randint(0, a.vocab_size, (B, S), device=dev, generator=gen)
-    positions = torch.arange(S, device=dev).repeat(B, 1)
+    ids = torch.randint(0, a.vocab_size, (1, B * S), device=dev, generator=gen)
+    positions = torch.arange(S, device=dev).repeat(B)[None]
     slots = torch.arange(B, device=dev)
+    packed = Packed.of([S] * B, list(range(B)), dev)
+    last = torch.arange(S - 1, B * S, S, device=dev)
 
     def call(capture=None):
-        hidden = model(ids, positions, slots, cache, capture)
-        return model.compute_logits(hidden[:, -1])
+        hidden = model(ids, positions, slots, cache, capture, packed)
+        return model.compute_logits(hidden[0, last])
 
     sync(dev)
     start = time.perf_counter()
