@@ -72,7 +72,7 @@ class EngineConfig:
     Unused on CPU, where the cache is max_num_seqs slots.
     max_prefill_tokens: the prompt tokens one engine step prefills, at most; a longer prompt is prefilled in chunks
     over several steps, each followed by a decode step of the live sequences (so they never wait for a whole long
-    prompt). Shorter prompts go several to a forward, padded to the longest of them, padding counted.
+    prompt). Shorter prompts go whole, several to a forward packed back to back (rows rounded up to 16).
     cuda_graphs: capture each decode batch bucket as a CUDA graph at start-up and replay it (engine/graphs.py):
     null (the default) wherever that can run, a CUDA device and a Triton MoE path; true requires it (an error on the
     CPU or with kernel=torch); false keeps eager steps. On the H200 the 30B rollout job went from 257.5 tokens/s
