@@ -1,13 +1,15 @@
 """KV-cache sizing from a memory budget (composer_rollout.engine.memory): the pure arithmetic against hand-computed
-numbers for the real presets, the start-up error naming the fields, the validation of gpu_memory_fraction, and the
-CPU engine keeping max_num_seqs slots."""
+numbers for the real presets, the start-up error naming the fields, the validation of gpu_memory_fraction, the
+CPU engine keeping max_num_seqs slots, and the shape of the reserve probe's prefill."""
+
+from itertools import pairwise
 
 import pytest
 import torch
 
 from composer_rollout.config import EngineConfig
 from composer_rollout.engine import RolloutEngine
-from composer_rollout.engine.memory import kv_bytes_per_token_per_layer, kv_slots, plan_kv_slots
+from composer_rollout.engine.memory import kv_bytes_per_token_per_layer, kv_slots, largest_prefill, plan_kv_slots
 from composer_rollout.model import Qwen3MoE, preset
 
 GiB = 1 << 30
@@ -71,3 +73,25 @@ def test_cpu_engine_keeps_max_num_seqs_slots():
     assert eng.max_num_seqs == 5 and eng.cache.num_slots == 5
     with pytest.raises(ValueError, match="engine.gpu_memory_fraction"):
         RolloutEngine(model, max_num_seqs=5, max_model_len=64, gpu_memory_fraction=1.2)
+
+
+@pytest.mark.parametrize("budget, max_len, seqs, sequences", [
+    (40, 16, 4, [15, 15, 10]), (12, 64, 4, [12]), (30, 16, 4, [15, 15]), (40, 16, 2, [15, 15])])
+def test_the_reserve_probe_runs_the_largest_prefill_a_step_can(monkeypatch, budget, max_len, seqs, sequences):
+    """The GPU reserve probe's prefill (run here on the CPU): max_prefill_tokens rows in one forward, packed as
+    whole prompts of at most max_model_len - 1 tokens and at most max_num_seqs of them, each ending at the last
+    position, one hidden state each. A budget above one prompt's length used to be probed as one prompt
+    (max_model_len - 1 rows): too few."""
+    model = Qwen3MoE(preset("tiny"), dtype=torch.float32, device="cpu").init_random(0)
+    seen, forward = [], model.forward
+
+    def spy(ids, positions, slots, cache, capture=None, packed=None):
+        seen.append((ids.shape[1], packed.starts, positions[0].tolist()))
+        return forward(ids, positions, slots, cache, capture, packed)
+
+    monkeypatch.setattr(model, "forward", spy)
+    hidden = largest_prefill(model, model.new_kv_cache(1, max_len), budget, max_len, seqs)
+    ((rows, starts, positions),) = seen
+    assert rows == sum(sequences) and [b - a for a, b in pairwise(starts)] == sequences
+    assert hidden.shape == (len(sequences), model.args.hidden_size)
+    assert [positions[b - 1] for b in starts[1:]] == [max_len - 2] * len(sequences)

@@ -6,8 +6,9 @@ limit ends with finish_reason "length". So once the engine has started, no reque
 the only question is how many slots to allocate, and it is answered here, before any work.
 
 On CUDA the budget is `gpu_memory_fraction` of the device's total memory, minus the weights and an activation
-reserve measured by running the largest forwards the engine will run (a prefill chunk of min(max_prefill_tokens,
-max_model_len - 1) tokens and a decode step of max_num_seqs rows with sampling) against a one-slot cache. The
+reserve measured by running the largest forwards the engine will run (a prefill of max_prefill_tokens rows, packed
+prompts of at most max_model_len - 1 tokens each, and a decode step of max_num_seqs rows with sampling) against a
+one-slot cache. The
 engine gets max_num_seqs slots; when fewer fit it fails at start-up, naming the fields to change and how many
 would fit. On CPU the cache is sized from max_num_seqs * max_model_len as before: host memory is not ours to
 budget.
@@ -18,7 +19,7 @@ The arithmetic is a pure function of numbers (`plan_kv_slots`) so that it is tes
 import torch
 
 from composer_rollout.engine.sampling import sample
-from composer_rollout.model import ModelArgs
+from composer_rollout.model import ModelArgs, Packed
 
 GiB = float(1 << 30)
 
@@ -60,6 +61,24 @@ def check_fraction(gpu_memory_fraction: float) -> None:
         raise ValueError(f"engine.gpu_memory_fraction={gpu_memory_fraction!r} must be in (0, 1]")
 
 
+def largest_prefill(model, cache, max_prefill_tokens: int, max_model_len: int, max_num_seqs: int) -> torch.Tensor:
+    """The engine's largest prefill forward into `cache`'s slot 0: max_prefill_tokens rows, packed as whole prompts go
+    (max_model_len - 1 tokens at most each, every one the last chunk of a longest prompt, whose queries see the
+    whole context; at most max_num_seqs of them, as each holds a slot); the final hidden state of each. A step's
+    forward never has more rows, so its peak memory bounds any step's (whole prompts together can fill the budget
+    where one prompt cannot)."""
+    longest = min(max_prefill_tokens, max_model_len - 1)
+    lengths = [longest] * (max_prefill_tokens // longest) + [max_prefill_tokens % longest] * bool(
+        max_prefill_tokens % longest)
+    lengths = lengths[:max_num_seqs]
+    dev = model.device
+    positions = torch.cat([torch.arange(max_model_len - 1 - n, max_model_len - 1, device=dev) for n in lengths])
+    packed = Packed.of(lengths, [0] * len(lengths), dev)
+    hidden = model(torch.zeros(1, sum(lengths), dtype=torch.long, device=dev), positions[None],
+                   torch.zeros(len(lengths), dtype=torch.long, device=dev), cache, packed=packed)
+    return hidden[0, torch.tensor(packed.starts[1:], device=dev) - 1]
+
+
 @torch.inference_mode()
 def measure_activation_reserve(model, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int,
                                cuda_graphs: bool = False) -> int:
@@ -70,13 +89,7 @@ def measure_activation_reserve(model, max_num_seqs: int, max_model_len: int, max
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     probe = model.new_kv_cache(1, max_model_len)
-    length = min(max_prefill_tokens, max_model_len - 1)
-    # The last chunk of the longest prompt: its queries see the whole context.
-    positions = torch.arange(max_model_len - 1 - length, max_model_len - 1, device=dev)[None]
-    hidden = model(torch.zeros(1, length, dtype=torch.long, device=dev), positions,
-                   torch.zeros(1, dtype=torch.long, device=dev), probe)
-    model.compute_logits(hidden[0, -1:])
-    del hidden
+    model.compute_logits(largest_prefill(model, probe, max_prefill_tokens, max_model_len, max_num_seqs))
     torch.cuda.synchronize(dev)
     prefill_peak = torch.cuda.max_memory_allocated(dev) - base - probe.nbytes
     torch.cuda.reset_peak_memory_stats(dev)
