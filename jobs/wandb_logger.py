@@ -28,7 +28,7 @@ def worker_metrics(stats: list[dict | None], gen_s: float) -> dict:
     prefill_tokens, prefill_rows = sum(s["prefill_tokens"] for s in live), sum(s["prefill_rows"] for s in live)
     decode_s = sum(s["decode_s"] for s in live)
     out = {"perf/prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else 0.0,
-           # rows computed for padding (whole prompts share a forward padded to the longest), of all prefill rows
+           # the share of prefill rows that were padding (a forward's row count rounds up to a multiple of 16)
            "perf/prefill_padding": 1 - prefill_tokens / prefill_rows if prefill_rows else 0.0,
            "perf/decode_tokens_per_s": sum(s["decode_tokens"] for s in live) / decode_s if decode_s else 0.0,
            "perf/batch_occupancy": sum(s["occupancy"] for s in live) / len(live) if live else 0.0}
