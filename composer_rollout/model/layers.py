@@ -160,9 +160,10 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         if self.backend == "triton":
             return self._fused(x, positions, slots, layer, cache, inv_freq, packed)
-        if packed is not None:  # the reference: one sequence at a time
+        if packed is not None:  # the reference: one sequence at a time (forward, not __call__: this module's hooks
+            # see the packed call once, not once more per sequence)
             bounds = list(pairwise(packed.starts))
-            return torch.cat([self(x[:, a:b], positions[:, a:b], slots[i:i + 1], layer, cache, inv_freq)
+            return torch.cat([self.forward(x[:, a:b], positions[:, a:b], slots[i:i + 1], layer, cache, inv_freq)
                               for i, (a, b) in enumerate(bounds)], dim=1)
         q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
