@@ -45,7 +45,9 @@ def test_chunked_prefill_gives_the_samples_of_one_prefill(chunk):
     whole = RolloutEngine.from_pretrained("tiny", **ARGS).generate(ps, sampling)
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=chunk, **ARGS)
     chunked = engine.generate(ps, sampling)
-    assert engine.stats.prefill_chunks >= sum(-(-len(p) // chunk) for p in ps)
+    # No forward holds more than the budget (a prompt's last chunk shares its forward with the next prompts).
+    assert engine.stats.prefill_chunks >= -(-sum(len(p) for p in ps) // chunk)
+    assert engine.stats.prefill_rows <= chunk * engine.stats.prefill_chunks
     assert engine.stats.prefill_tokens == sum(len(p) for p in ps)
     assert [r.token_ids for r in chunked] == [r.token_ids for r in whole]
     for a, b in zip(chunked, whole, strict=True):
@@ -56,8 +58,9 @@ def test_chunked_prefill_gives_the_samples_of_one_prefill(chunk):
 
 
 def test_only_a_prompt_longer_than_the_budget_is_chunked_and_from_a_fresh_budget():
-    """A prompt that fits the budget waits for the next step's whole-prompt forward instead of filling this step's
-    leftover as a chunk (which cost a second forward for it); a longer one starts its chunks with a whole budget."""
+    """A prompt that fits the budget waits for the next step's forward instead of filling this step's leftover as a
+    chunk (which cost a second forward for it); a longer one starts its chunks with a whole budget, and its last
+    chunk shares one forward with the whole prompts after it: one prefill forward per step."""
     ps = [prompt(8, 6), prompt(9, 6), prompt(10, 25), prompt(11, 4)]
     sampling = SamplingParams(temperature=0.8, max_tokens=3, seed=5)
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=10, **ARGS)
@@ -69,9 +72,9 @@ def test_only_a_prompt_longer_than_the_budget_is_chunked_and_from_a_fresh_budget
         engine.step()
         forwards.append((engine.stats.prefill_chunks - before[0], engine.stats.prefill_tokens - before[1]))
     # Steps 1-2: one 6-token prompt each (two would be 12 > 10; the leftover 4 is not spent on a piece of the next);
-    # steps 3-5: the 25-token prompt in chunks of 10, 10, 5, and the last (4 tokens) whole in the leftover beside its 5.
-    assert forwards[:5] == [(1, 6), (1, 6), (1, 10), (1, 10), (2, 9)]
-    assert engine.stats.prefill_chunks == 6 and engine.stats.prefill_rows == engine.stats.prefill_tokens == 41
+    # steps 3-5: the 25-token prompt in chunks of 10, 10, 5, and the last (4 tokens) whole in the same forward as its 5.
+    assert forwards[:5] == [(1, 6), (1, 6), (1, 10), (1, 10), (1, 9)]
+    assert engine.stats.prefill_chunks == 5 and engine.stats.prefill_rows == engine.stats.prefill_tokens == 41
     whole = RolloutEngine.from_pretrained("tiny", **ARGS).generate(ps, sampling)
     again = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=10, **ARGS).generate(ps, sampling)
     assert [r.token_ids for r in again] == [r.token_ids for r in whole]

@@ -3,9 +3,9 @@
 Shaped like vLLM's offline API (`from_pretrained`, `generate`, `SamplingParams`) so RL users know it.
 The loop is continuous batching over a fixed set of KV-cache slots: a prompt group (its n samples)
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
-and every step decodes all live sequences together. A finished sequence frees its slot at once. Prompts that
-fit the step's prefill budget whole are prefilled several to a forward, packed back to back in one row; one longer
-than the whole budget goes in chunks on its own, from a step's start.
+and every step decodes all live sequences together. A finished sequence frees its slot at once. Each step runs one
+prefill forward of at most the prefill budget, its pieces packed back to back in one row: the next chunk of a prompt
+longer than the whole budget (chunked from a step's start), then whole prompts that fit.
 
 Weights change only between steps: `begin_update` stages a new version beside the live weights
 (composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
@@ -128,15 +128,6 @@ class RolloutEngine:
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what}[{i}] has token id {bad[0]!r} outside [0, vocab_size={vocab})")
-
-    def _forward_chunk(self, token_ids: list[int], start: int, slot: int, length: int,
-                       capture: ExpertCapture | None):
-        """Tokens at positions start.. of `slot` into its cache, padded to `length` (the padding's keys land past the
-        prompt, where its first decode steps write their own before reading them); the last token's hidden state."""
-        ids = torch.tensor([token_ids + [0] * (length - len(token_ids))], device=self.device)
-        positions = torch.arange(start, start + length, device=self.device)[None]
-        hidden = self.model(ids, positions, torch.tensor([slot], device=self.device), self.cache, capture)
-        return hidden[0, len(token_ids) - 1]
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, *, prompt_index: int = 0,
                     request_id: str | None = None) -> str:
@@ -264,33 +255,6 @@ class RolloutEngine:
         filtered = any(s.request.sampling.top_k > 0 or s.request.sampling.top_p < 1 for s in seqs)
         return (floats[0], ints[0], floats[1], ints[1], ints[2]), filtered, ints[3:]
 
-    def _prefill_chunk(self, budget: int) -> tuple[int, list[RolloutResult]]:
-        """The next chunk (at most `budget` rows) of the request being prefilled; after its last chunk the prompt's
-        KV goes to the group's other slots, each sample draws its first token and goes live. Returns (rows,
-        finished samples)."""
-        start_time, pre = time.perf_counter(), self._prefilling
-        req = pre.request
-        size = min(budget, pre.remaining)
-        length = padded_len(size, budget, self.max_model_len - pre.done)
-        chunk = req.prompt[pre.done:pre.done + size]
-        capture = self._capture(length) if req.sampling.return_routed_experts else None
-        last = self._forward_chunk(chunk, pre.done, pre.slots[0], length, capture)
-        pre.done += size
-        if capture is not None:
-            pre.routing.append(capture.all_rows()[:size])
-        finished = []
-        if not pre.remaining:
-            self._prefilling = None
-            routing = [np.concatenate(pre.routing)] if capture is not None else [None]
-            finished = self._go_live([pre], last[None], routing)  # the last chunk's logits only
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so that prefill_s times the chunk, as the final one (.tolist())
-        self.stats.prefill_tokens += size
-        self.stats.prefill_rows += length
-        self.stats.prefill_chunks += 1
-        self.stats.prefill_s += time.perf_counter() - start_time
-        return length, finished
-
     def _take_whole_prompts(self, budget: int) -> list[Prefill]:
         """Waiting groups, in order, whose whole prompts fit one forward of at most `budget` tokens together and whose
         n slots are free; empty when the first does not fit (it goes through the chunked path, or waits for slots)."""
@@ -304,36 +268,52 @@ class RolloutEngine:
             self._waiting.popleft()
         return [Prefill(req, [self._free.pop() for _ in range(req.sampling.n)]) for req in group]
 
-    def _prefill_whole(self, group: list[Prefill], budget: int) -> tuple[int, list[RolloutResult]]:
-        """Several groups' whole prompts in one forward, packed back to back in one row (model.Packed: no padding
-        rows; attention keeps each prompt to its own slot), the row rounded up to ROW_MULTIPLE where `budget` and the
-        last prompt's context allow by padding tokens at the positions after that prompt (their keys land where its
-        first decode steps write theirs before reading them). One launch sequence instead of one per prompt:
-        prefill of short prompts is per-launch latency, not bytes. Returns (rows, finished)."""
+    def _prefill(self, pieces: list[tuple[Prefill, int]]) -> list[RolloutResult]:
+        """The step's prefill in one forward: its pieces, (group, tokens from the group's `done` position) each, the
+        next chunk of the prompt in progress and/or whole prompts, packed back to back in one row (model.Packed: no
+        piece is padded to another's length; attention keeps each to its own slot). The row rounds up to
+        ROW_MULTIPLE where the budget and the last piece's context allow, by padding tokens at the positions after
+        that piece (their keys land where its prompt's next chunk or first decode steps write theirs before reading
+        them). One launch sequence instead of one per prompt: prefill of short prompts is per-launch latency, not
+        bytes. Groups whose prompts are complete go live. Returns the finished samples."""
         start_time = time.perf_counter()
-        lens = [len(p.request.prompt) for p in group]
-        real = sum(lens)
-        T = padded_len(real, budget, real + self.max_model_len - lens[-1])
-        ids = [t for p in group for t in p.request.prompt] + [0] * (T - real)
-        positions = [i for n in lens[:-1] for i in range(n)] + list(range(T - real + lens[-1]))
-        packed = Packed.of(lens[:-1] + [T - real + lens[-1]], [p.slots[0] for p in group], self.device)
-        asked = any(p.request.sampling.return_routed_experts for p in group)
-        capture = self._capture(T) if asked else None
+        lens = [size for _, size in pieces]
+        real, (last, last_size) = sum(lens), pieces[-1]
+        end = last.done + last_size
+        T = padded_len(real, self.max_prefill_tokens, real + self.max_model_len - end)
+        ids, positions = [], []
+        for pre, size in pieces:
+            ids += pre.request.prompt[pre.done:pre.done + size]
+            positions += range(pre.done, pre.done + size)
+        ids, positions = ids + [0] * (T - real), positions + list(range(end, end + T - real))
+        packed = Packed.of(lens[:-1] + [lens[-1] + T - real], [pre.slots[0] for pre, _ in pieces], self.device)
+        capture = self._capture(T) if any(pre.request.sampling.return_routed_experts for pre, _ in pieces) else None
         hidden = self.model(torch.tensor([ids], device=self.device), torch.tensor([positions], device=self.device),
-                            torch.tensor([p.slots[0] for p in group], device=self.device), self.cache, capture,
+                            torch.tensor([pre.slots[0] for pre, _ in pieces], device=self.device), self.cache, capture,
                             packed)
-        starts = packed.starts[:-1]
-        last = hidden[0, torch.tensor([a + n - 1 for a, n in zip(starts, lens, strict=True)], device=self.device)]
-        routing = [None] * len(group)
-        if capture is not None:
-            rows = capture.all_rows()
-            routing = [rows[a:a + n] for a, n in zip(starts, lens, strict=True)]
-        finished = self._go_live(group, last, routing)
+        rows = capture.all_rows() if capture is not None else None
+        complete, last_rows = [], []
+        for (pre, size), start in zip(pieces, packed.starts, strict=False):
+            pre.done += size
+            if pre.request.sampling.return_routed_experts:
+                pre.routing.append(rows[start:start + size])
+            if not pre.remaining:
+                complete.append(pre)
+                last_rows.append(start + size - 1)
+        if self._prefilling is not None and not self._prefilling.remaining:
+            self._prefilling = None
+        finished = []
+        if complete:
+            routing = [np.concatenate(pre.routing) if pre.request.sampling.return_routed_experts else None
+                       for pre in complete]
+            finished = self._go_live(complete, hidden[0, torch.tensor(last_rows, device=self.device)], routing)
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so that prefill_s times the forward, as going live does (.tolist())
         self.stats.prefill_tokens += real
         self.stats.prefill_rows += T
         self.stats.prefill_chunks += 1
         self.stats.prefill_s += time.perf_counter() - start_time
-        return T, finished
+        return finished
 
     def _go_live(self, group: list[Prefill], last: torch.Tensor, routing: list[np.ndarray | None]
                  ) -> list[RolloutResult]:
@@ -386,31 +366,25 @@ class RolloutEngine:
 
     @torch.inference_mode()
     def step(self, admit: bool = True) -> list[RolloutResult]:
-        """Prefill up to max_prefill_tokens prompt tokens: the request in progress first, then waiting groups in
-        order while their n slots are free, whole prompts several to a forward; a prompt longer than the budget
-        starts its chunks at a step's start (none when `admit` is False, as while draining for a weight swap; a
-        request already in progress is finished). Then one decode step over every live sequence. Returns the
-        finished samples."""
-        finished, budget = [], self.max_prefill_tokens
-        while budget > 0:
-            if self._prefilling is None and admit and (group := self._take_whole_prompts(budget)):
-                used, done = self._prefill_whole(group, budget)
-                budget -= used
-                finished += done
-                continue
-            if self._prefilling is None:
-                if not (admit and self._waiting and len(self._free) >= self._waiting[0].sampling.n):
-                    break
-                # Only a prompt longer than the whole budget is chunked, and from a fresh budget: one that fits waits
-                # for the next step's whole-prompt forward rather than costing a forward of the leftover here (a
-                # prefill forward has a fixed cost; splitting fitting prompts doubled the forwards: docs/perf.md).
-                if len(self._waiting[0].prompt) <= self.max_prefill_tokens or budget < self.max_prefill_tokens:
-                    break
-                req = self._waiting.popleft()
-                self._prefilling = Prefill(req, [self._free.pop() for _ in range(req.sampling.n)])
-            used, done = self._prefill_chunk(budget)
-            budget -= used
-            finished += done
+        """One prefill forward of up to max_prefill_tokens prompt tokens: the next chunk of the request in progress,
+        then whole prompts of waiting groups in order while they fit and their n slots are free; a prompt longer than
+        the budget starts its chunks at a step's start (no new request when `admit` is False, as while draining for a
+        weight swap; one already in progress is finished). Then one decode step over every live sequence. Returns
+        the finished samples."""
+        budget, pieces = self.max_prefill_tokens, []
+        head = self._waiting[0] if admit and self._waiting else None
+        if (self._prefilling is None and head is not None and len(head.prompt) > budget
+                and len(self._free) >= head.sampling.n):
+            # Only a prompt longer than the whole budget is chunked, and from a step's start: one that fits goes whole
+            # in a later step rather than split across two forwards (docs/perf.md).
+            self._waiting.popleft()
+            self._prefilling = Prefill(head, [self._free.pop() for _ in range(head.sampling.n)])
+        if self._prefilling is not None:
+            pieces.append((self._prefilling, min(budget, self._prefilling.remaining)))
+            budget -= pieces[-1][1]
+        if admit and budget > 0:
+            pieces += [(pre, len(pre.request.prompt)) for pre in self._take_whole_prompts(budget)]
+        finished = self._prefill(pieces) if pieces else []
         if self._live:
             finished += self._decode()
         return finished
