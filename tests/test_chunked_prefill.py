@@ -57,27 +57,25 @@ def test_chunked_prefill_gives_the_samples_of_one_prefill(chunk):
         assert (a.routed_experts != b.routed_experts).mean() < 0.01
 
 
-def test_only_a_prompt_longer_than_the_budget_is_chunked_and_from_a_fresh_budget():
-    """A prompt that fits the budget waits for the next step's forward instead of filling this step's leftover as a
-    chunk (which cost a second forward for it); a longer one starts its chunks with a whole budget, and its last
-    chunk shares one forward with the whole prompts after it: one prefill forward per step."""
+def test_each_step_prefills_one_forward_filled_to_the_budget():
+    """A step's prefill is one forward of up to the budget: the rest of the prompt in progress, whole prompts in
+    order, then the first that does not fit as a chunk, continued at the next step's start. Prompts never cost a
+    forward of their own for a leftover (the schedule before packing split them into two forwards)."""
     ps = [prompt(8, 6), prompt(9, 6), prompt(10, 25), prompt(11, 4)]
     sampling = SamplingParams(temperature=0.8, max_tokens=3, seed=5)
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=10, **ARGS)
     for i, p in enumerate(ps):
         engine.add_request(p, sampling, prompt_index=i)
-    forwards = []
+    forwards, got = [], []
     while engine.has_unfinished():
         before = engine.stats.prefill_chunks, engine.stats.prefill_tokens
-        engine.step()
+        got += engine.step()
         forwards.append((engine.stats.prefill_chunks - before[0], engine.stats.prefill_tokens - before[1]))
-    # Steps 1-2: one 6-token prompt each (two would be 12 > 10; the leftover 4 is not spent on a piece of the next);
-    # steps 3-5: the 25-token prompt in chunks of 10, 10, 5, and the last (4 tokens) whole in the same forward as its 5.
-    assert forwards[:5] == [(1, 6), (1, 6), (1, 10), (1, 10), (1, 9)]
+    # 6 + 4 of the second 6; its 2 + 8 of the 25; 10 of it; its last 7 + 3 of the 4 (7 + 4 > 10); the 4's last 1.
+    assert forwards[:5] == [(1, 10), (1, 10), (1, 10), (1, 10), (1, 1)]
     assert engine.stats.prefill_chunks == 5 and engine.stats.prefill_rows == engine.stats.prefill_tokens == 41
     whole = RolloutEngine.from_pretrained("tiny", **ARGS).generate(ps, sampling)
-    again = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=10, **ARGS).generate(ps, sampling)
-    assert [r.token_ids for r in again] == [r.token_ids for r in whole]
+    assert [r.token_ids for r in sorted(got, key=lambda r: r.prompt_index)] == [r.token_ids for r in whole]
 
 
 def test_prefill_rows_round_up_to_a_multiple_of_16_where_budget_and_context_allow(monkeypatch):

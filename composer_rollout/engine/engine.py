@@ -4,8 +4,8 @@ Shaped like vLLM's offline API (`from_pretrained`, `generate`, `SamplingParams`)
 The loop is continuous batching over a fixed set of KV-cache slots: a prompt group (its n samples)
 is admitted when n slots are free, prefilled once into one slot and its KV copied to the others,
 and every step decodes all live sequences together. A finished sequence frees its slot at once. Each step runs one
-prefill forward of at most the prefill budget, its pieces packed back to back in one row: the next chunk of a prompt
-longer than the whole budget (chunked from a step's start), then whole prompts that fit.
+prefill forward filled up to the prefill budget, its pieces packed back to back in one row: the rest of the prompt in
+progress, whole prompts in order, and the first that does not fit as a chunk (continued next step).
 
 Weights change only between steps: `begin_update` stages a new version beside the live weights
 (composer_rollout.sync.update: validated whole, MXFP8 re-quantized) and `apply_update` swaps it in; every
@@ -300,8 +300,6 @@ class RolloutEngine:
             if not pre.remaining:
                 complete.append(pre)
                 last_rows.append(start + size - 1)
-        if self._prefilling is not None and not self._prefilling.remaining:
-            self._prefilling = None
         finished = []
         if complete:
             routing = [np.concatenate(pre.routing) if pre.request.sampling.return_routed_experts else None
@@ -366,24 +364,27 @@ class RolloutEngine:
 
     @torch.inference_mode()
     def step(self, admit: bool = True) -> list[RolloutResult]:
-        """One prefill forward of up to max_prefill_tokens prompt tokens: the next chunk of the request in progress,
-        then whole prompts of waiting groups in order while they fit and their n slots are free; a prompt longer than
-        the budget starts its chunks at a step's start (no new request when `admit` is False, as while draining for a
-        weight swap; one already in progress is finished). Then one decode step over every live sequence. Returns
-        the finished samples."""
+        """One prefill forward of up to max_prefill_tokens prompt tokens: the rest (or next chunk) of the request in
+        progress, then waiting groups in order while their n slots are free, whole while they fit, the first that
+        does not as a chunk in what is left (no new request when `admit` is False, as while draining for a weight
+        swap; one already in progress is finished). Then one decode step over every live sequence. Returns the
+        finished samples."""
         budget, pieces = self.max_prefill_tokens, []
-        head = self._waiting[0] if admit and self._waiting else None
-        if (self._prefilling is None and head is not None and len(head.prompt) > budget
-                and len(self._free) >= head.sampling.n):
-            # Only a prompt longer than the whole budget is chunked, and from a step's start: one that fits goes whole
-            # in a later step rather than split across two forwards (docs/perf.md).
-            self._waiting.popleft()
-            self._prefilling = Prefill(head, [self._free.pop() for _ in range(head.sampling.n)])
         if self._prefilling is not None:
             pieces.append((self._prefilling, min(budget, self._prefilling.remaining)))
             budget -= pieces[-1][1]
         if admit and budget > 0:
-            pieces += [(pre, len(pre.request.prompt)) for pre in self._take_whole_prompts(budget)]
+            whole = self._take_whole_prompts(budget)
+            pieces += [(pre, len(pre.request.prompt)) for pre in whole]
+            budget -= sum(len(pre.request.prompt) for pre in whole)
+            head = self._waiting[0] if self._waiting else None
+            if budget > 0 and head is not None and len(self._free) >= head.sampling.n:
+                # The next prompt's first chunk fills the rest: the forward runs anyway, so a step's prefill is
+                # as many tokens as the budget allows, in one forward (docs/perf.md).
+                self._waiting.popleft()
+                pieces.append((Prefill(head, [self._free.pop() for _ in range(head.sampling.n)]), budget))
+        # Only the last piece can be left incomplete: an earlier one was whole or the in-progress prompt's rest.
+        self._prefilling = pieces[-1][0] if pieces and pieces[-1][1] < pieces[-1][0].remaining else None
         finished = self._prefill(pieces) if pieces else []
         if self._live:
             finished += self._decode()
