@@ -269,13 +269,13 @@ class RolloutEngine:
         return [Prefill(req, [self._free.pop() for _ in range(req.sampling.n)]) for req in group]
 
     def _prefill(self, pieces: list[tuple[Prefill, int]]) -> list[RolloutResult]:
-        """The step's prefill in one forward: its pieces, (group, tokens from the group's `done` position) each, the
-        next chunk of the prompt in progress and/or whole prompts, packed back to back in one row (model.Packed: no
-        piece is padded to another's length; attention keeps each to its own slot). The row rounds up to
-        ROW_MULTIPLE where the budget and the last piece's context allow, by padding tokens at the positions after
-        that piece (their keys land where its prompt's next chunk or first decode steps write theirs before reading
-        them). One launch sequence instead of one per prompt: prefill of short prompts is per-launch latency, not
-        bytes. Groups whose prompts are complete go live. Returns the finished samples."""
+        """The step's prefill in one forward: its pieces, (group, tokens from the group's `done` position) each (the
+        rest or next chunk of the prompt in progress, whole prompts, the first chunk of the next one), packed back to
+        back in one row (model.Packed: no piece is padded to another's length; attention keeps each to its own slot).
+        The row rounds up to ROW_MULTIPLE where the budget and the last piece's context allow, by padding tokens at the
+        positions after that piece (their keys land where its prompt's next chunk or first decode steps write theirs
+        before reading them). One launch sequence instead of one per prompt: prefill of short prompts is per-launch
+        latency, not bytes. Groups whose prompts are complete go live. Returns the finished samples."""
         start_time = time.perf_counter()
         lens = [size for _, size in pieces]
         real, (last, last_size) = sum(lens), pieces[-1]
