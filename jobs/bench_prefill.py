@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import time
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -41,7 +40,7 @@ from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.model import Packed, Qwen3MoE, preset
 from jobs.bench_decode import host_read_ceiling_tbs, weight_bytes
 from jobs.bench_moe import bf16_matmul_tflops, read_ceiling_tbs
-from jobs.profile_decode import short_name
+from jobs.profile_decode import kernel_groups
 
 
 def forward_flops(a, B: int, S: int) -> float:
@@ -75,12 +74,7 @@ def kernel_times(call, dev) -> dict[str, list[float]]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         sync(dev)
-    groups = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            groups[short_name(e.name)][0] += 1
-            groups[short_name(e.name)][1] += e.device_time
-    return dict(groups)
+    return kernel_groups(prof)
 
 
 @torch.inference_mode()

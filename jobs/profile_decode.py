@@ -33,6 +33,17 @@ def short_name(name: str) -> str:
     return name[:70]
 
 
+def kernel_groups(prof) -> dict[str, list[float]]:
+    """{kernel name (short_name): [calls, total µs]} of the CUDA kernels a torch.profiler run recorded."""
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            g = groups[short_name(e.name)]
+            g[0] += 1
+            g[1] += e.device_time
+    return dict(groups)
+
+
 def profile_step(graphs, ids, positions, slots, steps: int) -> tuple[float, dict]:
     """(wall seconds per step, {kernel name: [calls, total µs]} per step) over `steps` replays."""
     for _ in range(3):
@@ -47,13 +58,7 @@ def profile_step(graphs, ids, positions, slots, steps: int) -> tuple[float, dict
         for _ in range(steps):
             graphs.run(ids, positions, slots)
         torch.cuda.synchronize()
-    groups = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            g = groups[short_name(e.name)]
-            g[0] += 1
-            g[1] += e.device_time
-    return wall, {k: [v[0] / steps, v[1] / steps] for k, v in groups.items()}
+    return wall, {k: [v[0] / steps, v[1] / steps] for k, v in kernel_groups(prof).items()}
 
 
 def main():
