@@ -153,10 +153,10 @@ def bench_engine(model, prompts, n, min_len, max_len, slots, budgets, seed):
             seconds, s = time.perf_counter() - start, engine.stats
             rows.append(dict(budget=budget, run=run, prompts=prompts, n=n, seconds=round(seconds, 3),
                              prefill_s=round(s.prefill_s, 3), prefill_tokens=s.prefill_tokens,
-                             prefill_rows=s.prefill_rows, forwards=s.prefill_chunks,
+                             prefill_rows=s.prefill_rows, forwards=s.prefill_forwards,
                              padding=round(1 - s.prefill_tokens / s.prefill_rows, 3),
                              prefill_tok_s=round(s.prefill_tokens / s.prefill_s, 1),
-                             ms_per_forward=round(1e3 * s.prefill_s / s.prefill_chunks, 2)))
+                             ms_per_forward=round(1e3 * s.prefill_s / s.prefill_forwards, 2)))
             print("engine", rows[-1], flush=True)
             del engine
     return rows

@@ -46,8 +46,8 @@ def test_chunked_prefill_gives_the_samples_of_one_prefill(chunk):
     engine = RolloutEngine.from_pretrained("tiny", max_prefill_tokens=chunk, **ARGS)
     chunked = engine.generate(ps, sampling)
     # No forward holds more than the budget (a prompt's last chunk shares its forward with the next prompts).
-    assert engine.stats.prefill_chunks >= -(-sum(len(p) for p in ps) // chunk)
-    assert engine.stats.prefill_rows <= chunk * engine.stats.prefill_chunks
+    assert engine.stats.prefill_forwards >= -(-sum(len(p) for p in ps) // chunk)
+    assert engine.stats.prefill_rows <= chunk * engine.stats.prefill_forwards
     assert engine.stats.prefill_tokens == sum(len(p) for p in ps)
     assert [r.token_ids for r in chunked] == [r.token_ids for r in whole]
     for a, b in zip(chunked, whole, strict=True):
@@ -68,12 +68,12 @@ def test_each_step_prefills_one_forward_filled_to_the_budget():
         engine.add_request(p, sampling, prompt_index=i)
     forwards, got = [], []
     while engine.has_unfinished():
-        before = engine.stats.prefill_chunks, engine.stats.prefill_tokens
+        before = engine.stats.prefill_forwards, engine.stats.prefill_tokens
         got += engine.step()
-        forwards.append((engine.stats.prefill_chunks - before[0], engine.stats.prefill_tokens - before[1]))
+        forwards.append((engine.stats.prefill_forwards - before[0], engine.stats.prefill_tokens - before[1]))
     # 6 + 4 of the second 6; its 2 + 8 of the 25; 10 of it; its last 7 + 3 of the 4 (7 + 4 > 10); the 4's last 1.
     assert forwards[:5] == [(1, 10), (1, 10), (1, 10), (1, 10), (1, 1)]
-    assert engine.stats.prefill_chunks == 5 and engine.stats.prefill_rows == engine.stats.prefill_tokens == 41
+    assert engine.stats.prefill_forwards == 5 and engine.stats.prefill_rows == engine.stats.prefill_tokens == 41
     whole = RolloutEngine.from_pretrained("tiny", **ARGS).generate(ps, sampling)
     assert [r.token_ids for r in sorted(got, key=lambda r: r.prompt_index)] == [r.token_ids for r in whole]
 

@@ -140,7 +140,7 @@ def test_continuous_batching_matches_a_run_with_plenty_of_slots(monkeypatch, eng
     assert sum(s[0] for s in prefills) == len(PROMPTS5)
     assert max(s[0] for s in prefills) == max_num_seqs // 2
     # The counters the rollout summary prints: forwards, and rows computed (padding only to a multiple of 16).
-    assert small.stats.prefill_chunks == len(prefills)
+    assert small.stats.prefill_forwards == len(prefills)
     assert small.stats.prefill_rows == sum(rows for _, rows in prefills)
     assert small.stats.prefill_tokens == sum(len(p) for p in PROMPTS5)
     assert set(decodes) <= set(small.buckets) and max(decodes) <= max_num_seqs

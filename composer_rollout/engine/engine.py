@@ -286,11 +286,11 @@ class RolloutEngine:
             ids += pre.request.prompt[pre.done:pre.done + size]
             positions += range(pre.done, pre.done + size)
         ids, positions = ids + [0] * (T - real), positions + list(range(end, end + T - real))
-        packed = Packed.of(lens[:-1] + [lens[-1] + T - real], [pre.slots[0] for pre, _ in pieces], self.device)
+        slots = [pre.slots[0] for pre, _ in pieces]
+        packed = Packed.of(lens[:-1] + [lens[-1] + T - real], slots, self.device)
         capture = self._capture(T) if any(pre.request.sampling.return_routed_experts for pre, _ in pieces) else None
         hidden = self.model(torch.tensor([ids], device=self.device), torch.tensor([positions], device=self.device),
-                            torch.tensor([pre.slots[0] for pre, _ in pieces], device=self.device), self.cache, capture,
-                            packed)
+                            torch.tensor(slots, device=self.device), self.cache, capture, packed)
         rows = capture.all_rows() if capture is not None else None
         complete, last_rows = [], []
         for (pre, size), start in zip(pieces, packed.starts, strict=False):
@@ -309,7 +309,7 @@ class RolloutEngine:
             torch.cuda.synchronize(self.device)  # so that prefill_s times the forward, as going live does (.tolist())
         self.stats.prefill_tokens += real
         self.stats.prefill_rows += T
-        self.stats.prefill_chunks += 1
+        self.stats.prefill_forwards += 1
         self.stats.prefill_s += time.perf_counter() - start_time
         return finished
 

@@ -8,10 +8,9 @@ the only question is how many slots to allocate, and it is answered here, before
 On CUDA the budget is `gpu_memory_fraction` of the device's total memory, minus the weights and an activation
 reserve measured by running the largest forwards the engine will run (a prefill of max_prefill_tokens rows, packed
 prompts of at most max_model_len - 1 tokens each, and a decode step of max_num_seqs rows with sampling) against a
-one-slot cache. The
-engine gets max_num_seqs slots; when fewer fit it fails at start-up, naming the fields to change and how many
-would fit. On CPU the cache is sized from max_num_seqs * max_model_len as before: host memory is not ours to
-budget.
+one-slot cache. The engine gets max_num_seqs slots; when fewer fit it fails at start-up, naming the fields to change
+and how many would fit. On CPU the cache is sized from max_num_seqs * max_model_len as before: host memory is not
+ours to budget.
 
 The arithmetic is a pure function of numbers (`plan_kv_slots`) so that it is tested without a GPU.
 """

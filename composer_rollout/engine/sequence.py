@@ -78,7 +78,7 @@ class EngineStats:
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
-    prefill_chunks: int = 0  # prefill forwards: a chunk of one prompt, or several whole prompts
+    prefill_forwards: int = 0  # one per step that prefilled: its pieces packed in one row
     prefill_rows: int = 0  # prompt rows computed, padding included: prefill_tokens / prefill_rows were useful
     decode_tokens: int = 0
     decode_s: float = 0.0

@@ -97,7 +97,7 @@ class RolloutWorker:
         with self._cv:
             queued = len(self._inbox)
         return {"worker_id": self.worker_id, "pid": os.getpid(), "prefill_tokens": s.prefill_tokens,
-                "prefill_s": s.prefill_s, "prefill_forwards": s.prefill_chunks, "prefill_rows": s.prefill_rows,
+                "prefill_s": s.prefill_s, "prefill_forwards": s.prefill_forwards, "prefill_rows": s.prefill_rows,
                 "decode_tokens": s.decode_tokens, "decode_s": s.decode_s,
                 "decode_steps": s.decode_steps, "decode_rows": s.decode_rows,
                 # mean share of the KV slots holding a live sequence per decode step: how full the batch ran
