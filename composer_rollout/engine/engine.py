@@ -64,7 +64,7 @@ class RolloutEngine:
     """Requests in (`add_request`), finished samples out (`step`); `generate` is both in one call."""
 
     def __init__(self, model: Qwen3MoE, *, max_num_seqs: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048, cuda_graphs: bool | None = False):
+                 gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 4096, cuda_graphs: bool | None = False):
         """cuda_graphs: True captures the decode steps (an error where that cannot run), None wherever it can run
         (a CUDA device and a Triton MoE path; the jobs' default), False never."""
         if max_num_seqs < 1:
@@ -100,7 +100,7 @@ class RolloutEngine:
                         weight_dtype: str = "bf16",
                         dtype: str = "bfloat16", device: str | None = None, seed: int = 0,
                         max_num_seqs: int = 16, max_model_len: int | None = None,
-                        gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 2048,
+                        gpu_memory_fraction: float = 0.9, max_prefill_tokens: int = 4096,
                         cuda_graphs: bool | None = False) -> "RolloutEngine":
         """A checkpoint directory, or a preset name (random init seeded with `seed`)."""
         if dtype not in DTYPES:
