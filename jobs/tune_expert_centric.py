@@ -3,8 +3,8 @@
 Qwen3-30B-A3B MoE shape (H 2048, I 768, E 128, k 8), MXFP8 experts, uniform random routing, each candidate timed
 as CUDA-graph replays over --layers layers of distinct weights (jobs/bench_moe.py's helpers; 8 layers are 5 GB,
 far over the 60 MB L2). Per T bucket: for each BLOCK_M near the mean rows per expert (T * k / E), every tile of a
-small grid (BLOCK_N 64/128, BLOCK_K 64/128, num_warps 4/8, num_stages 2-4, pruned to what fits: 4 warps only for
-accumulators of at most 4096 FP32 elements, 8 only from 4096 on, as compiling for sm_90 showed spills beyond)
+small grid (BLOCK_N 64/128, BLOCK_K 64/128, num_warps 4/8, num_stages 2-4, pruned to what fits: at most 128 FP32
+accumulators per thread, as compiling for sm_90 showed spills beyond, and 8 warps from 4096 elements on)
 for gate_up and for down, each kernel timed alone; the BLOCK_M with the fastest pair wins. Then the whole path
 with the winners, its relative error against the FP32 reference, and warp decode (its auto schedule) at the same
 T. crossover_tokens = the largest bucket up to which warp decode is faster at every bucket (warp decode stops
@@ -61,7 +61,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 def block_ms(T: int, k: int, E: int) -> tuple[int, ...]:
     rows = T * k / E
-    return (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 64 else (64, 128)
+    return ((16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 64 else (64, 128) if rows <= 128
+            else (128, 256))
 
 
 def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False, stages: tuple[int, ...] = (),
@@ -88,7 +89,9 @@ def candidates(kernel: str, block_m: int, quick: bool = False, fp8: bool = False
         acc = bn * block_m * (2 if kernel == "gate_up" else 1)  # FP32 accumulator elements (gate and up: two)
         for bk in (64, 128):
             for warps in (4, 8):
-                if (warps == 4 and acc > 4096) or (warps == 8 and acc < 4096):
+                # At most 128 FP32 accumulators per thread: since the dequantization is integer moves
+                # (mx_tiles.e4m3_to), 4-warp prefill tiles at 128 fit without spills and won (docs/perf.md).
+                if acc > 128 * 32 * warps or (warps == 8 and acc < 4096):
                     continue
                 # BLOCK_K 64 loads 2-byte scale runs, which cp.async cannot pipeline: more stages hide their latency.
                 stages = (3,) if quick else (3, 4) if bk == 64 else (2, 3)
@@ -162,6 +165,8 @@ def tune_bucket(T, mx, layers, reps, dequant="bf16", quick=False, verbose=False,
                                 for inp, w, o in zip(inputs, mx, outs, strict=True)], reps) / layers
     h0, w0, i0 = inputs[0]
     err = rel_err(outs[0], moe_reference(h0.float(), w0, i0, *mx[0], compute_dtype=torch.float32))
+    if not err < 1e-2:  # a tile that skips work is fast too: the winners must still compute the layer
+        raise RuntimeError(f"T={T}: the fastest tiles {short(cfg)} give relative error {err:.3g} against FP32")
     return cfg, ec_us, err, inputs
 
 

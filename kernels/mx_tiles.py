@@ -2,16 +2,18 @@
 
 No kernel here: @triton.jit helpers that the kernels in kernels/moe_gate_up.py and kernels/moe_down.py
 inline, as does warp decode's expert schedule (kernels/warp_decode_moe.py) for its FP32 TF32-dot tiles. Each
-returns a tile in the dot's operand dtype `DOT`: BF16 on the GPU (tensor cores, FP32 accumulate),
-FP32 under Triton's interpreter, whose BF16 tl.dot multiplies raw bits. MXFP8 dequantization is exact either way:
-an E4M3 value (3 mantissa bits) times 2^(scale - 127) fits BF16, whose exponent range is FP32's.
+returns a tile in the dot's operand dtype `DOT`: BF16 on the GPU (tensor cores, FP32 accumulate), FP32 under
+Triton's interpreter, whose BF16 tl.dot multiplies raw bits. MXFP8 dequantization is exact either way:
+an E4M3 value (3 mantissa bits) times 2^(scale - 127) fits BF16, whose exponent range is FP32's. On the GPU the
+E4M3 -> BF16 step is `e4m3_to`'s bit moves, not the compiler's conversion (E4M3 -> FP16 -> BF16, three conversion
+instructions per two weights at a quarter of the integer issue rate, which bound the prefill GEMMs).
 
 Tiles are loaded as [BK/32, 32, R] so that each E8M0 scale is loaded once and broadcast over its 32 elements,
 then reshaped to [BK, R] (the reduction dimension first, ready for tl.dot).
 
 dequant "f16_rel" (`row_scale_max`, `row_tile_rel`, `kmajor_tile_rel`): FP16 dot operands, because E4M3 -> FP16
-is exact and one instruction per two elements (cvt e4m3x2 -> f16x2), where E4M3 -> BF16 goes through FP16 and FP32
-(~2.5 instructions per weight with the scale multiply): the MXFP8 GEMMs were bound by that arithmetic, not bytes.
+is exact and one instruction per two elements (cvt e4m3x2 -> f16x2), where the compiler's E4M3 -> BF16 took three
+conversions per two weights before `e4m3_to` (the MXFP8 GEMMs were bound by that arithmetic, not bytes).
 FP16's exponent range (2^-24 .. 65504) cannot hold the E8M0 scales, so each operand is made relative: a weight row
 holds its groups' values times 2^(s - smax) (smax: the row's largest scale code), a power of two <= 1 applied in
 FP16, and the kernel multiplies the row's accumulator by 2^(smax - 127) after the K loop; an activation column
@@ -91,6 +93,32 @@ def e8m0_to_f32(s):
 
 
 @triton.jit
+def e4m3_to(x, DOT: tl.constexpr):
+    """E4M3 values `x` in DOT dtype. To BF16 on the GPU by integer bit moves and one BF16 multiply per two values:
+    the compiler's E4M3 -> BF16 goes E4M3 -> FP16 -> BF16, three conversion instructions per two values, and
+    conversions issue at a quarter of the integer rate on sm_90, which bound the prefill GEMMs (docs/perf.md). The
+    two values' 16 bits are sign-extended byte by byte into two 16-bit lanes (one byte permute), shifted left by 4
+    and masked, which leaves sign | 0000eeee | mmm0000 in each lane (the E4M3 fields in BF16's places, the exponent
+    still biased by 7), and a multiply by 2^120 rebiases it: exact for normal and subnormal E4M3 values alike (a
+    subnormal's pattern is a BF16 subnormal, m/8 * 2^-126, which the multiply keeps; the GPU test checks every
+    code). E4M3's NaN codes come out as +-480 (MXFP8 marks NaN blocks in the scale, not the elements). Triton's
+    interpreter runs no inline PTX, and its dots are FP32 anyway: a plain conversion there and for other dtypes."""
+    if DOT == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, c;
+            cvt.u32.u16 t, $1;
+            prmt.b32 t, t, 0, 0x9180;
+            shl.b32 t, t, 4;
+            and.b32 t, t, 0x87F087F0;
+            mov.b32 c, 0x7B807B80;
+            mul.rn.bf16x2 $0, t, c;
+            }""",
+            constraints="=r,h", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return x.to(DOT)
+
+
+@triton.jit
 def kmajor_tile(d_ptr, s_ptr, row, row_ok, k0, KDIM: tl.constexpr, BK: tl.constexpr, IS_MX: tl.constexpr,
                 DOT: tl.constexpr):
     """M[row, k0:k0+BK] transposed to [BK, R] in DOT dtype, for a row-major matrix M [rows, KDIM] (data) with
@@ -102,7 +130,7 @@ def kmajor_tile(d_ptr, s_ptr, row, row_ok, k0, KDIM: tl.constexpr, BK: tl.conste
         sg = k0 // 32 + g[:, None, None]
         s = tl.load(s_ptr + row[None, None, :] * (KDIM // 32) + sg, mask=row_ok[None, None, :] & (sg < KDIM // 32),
                     other=127)
-        return tl.reshape(w.to(DOT) * e8m0_to_f32(s).to(DOT), (BK, row.shape[0]))
+        return tl.reshape(e4m3_to(w, DOT) * e8m0_to_f32(s).to(DOT), (BK, row.shape[0]))
     kk = k0 + tl.arange(0, BK)[:, None]
     return tl.load(d_ptr + row[None, :] * KDIM + kk, mask=_mask(row_ok[None, :], kk, KDIM, BK), other=0.0).to(DOT)
 
@@ -118,7 +146,7 @@ def row_tile(d_ptr, s_ptr, row, row_ok, k0, KDIM: tl.constexpr, BK: tl.constexpr
         sg = k0 // 32 + g[None, :, None]
         s = tl.load(s_ptr + row[:, None, None] * (KDIM // 32) + sg, mask=row_ok[:, None, None] & (sg < KDIM // 32),
                     other=127)
-        return tl.reshape(x.to(DOT) * e8m0_to_f32(s).to(DOT), (row.shape[0], BK))
+        return tl.reshape(e4m3_to(x, DOT) * e8m0_to_f32(s).to(DOT), (row.shape[0], BK))
     kk = k0 + tl.arange(0, BK)[None, :]
     return tl.load(d_ptr + row[:, None] * KDIM + kk, mask=_mask(row_ok[:, None], kk, KDIM, BK), other=0.0).to(DOT)
 

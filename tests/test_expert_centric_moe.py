@@ -8,7 +8,8 @@ GPU arithmetic (FP32 GEMMs, act rounded to BF16, output rounded): 2.35e-3 agains
 dequant "f16_rel": the same cases, and its tiles (kernels/mx_tiles.py) against their documented exactness bounds
 with scales spread within rows and activations beyond FP16's range; the interpreter computes the same FP16 values.
 dequant "fp8": the same cases (FP32 dots on the FP8 operands' values under the interpreter), and on the GPU the
-30B shape against the 3e-3 target, determinism and graph capture.
+30B shape against the 3e-3 target, determinism and graph capture. GPU: the tiles' E4M3 -> BF16 bit moves
+(kernels/mx_tiles.e4m3_to, inline PTX the interpreter cannot run) against a true conversion of every code.
 """
 
 import importlib
@@ -26,7 +27,7 @@ from kernels.expert_centric_moe import ExpertCentricConfig, GemmConfig, auto_moe
 from kernels.moe_align import moe_align, num_slots
 from kernels.moe_down import moe_down
 from kernels.moe_gate_up import moe_gate_up
-from kernels.mx_tiles import e8m0_to_f32, kmajor_tile_rel, row_scale_max, row_tile_rel
+from kernels.mx_tiles import e4m3_to, e8m0_to_f32, kmajor_tile_rel, row_scale_max, row_tile_rel
 from kernels.warp_decode_moe import warp_decode_moe
 
 ec = importlib.import_module("kernels.expert_centric_moe")  # the package's `expert_centric_moe` is the function
@@ -356,6 +357,27 @@ def test_launcher_errors():
     with pytest.raises(ValueError, match="part"):
         moe_down(torch.empty(sorted_ids.shape[0], 96, dtype=torch.bfloat16, device=DEVICE), sorted_ids,
                  block_expert, weights, w2, torch.empty(6, 64, device=DEVICE), block_m=16, block_n=64, block_k=64)
+
+
+@triton.jit
+def _e4m3_to_bf16_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, e4m3_to(tl.load(x_ptr + offs), tl.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_e4m3_to_bf16_every_code():
+    """The GEMMs' E4M3 -> BF16 by bit moves and a multiply (kernels/mx_tiles.e4m3_to) gives the bits of a true
+    conversion for all 254 non-NaN codes: zeros of both signs, the subnormals (through a BF16 subnormal pattern,
+    which the multiply must not flush) and the normals; the two NaN codes give +-480."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    x = codes.view(torch.float8_e4m3fn)
+    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+    _e4m3_to_bf16_kernel[(1,)](x, out, N=256)
+    expected = x.to(torch.bfloat16)
+    nan = (codes & 0x7F) == 0x7F
+    expected[nan] = torch.where(codes[nan] < 128, 480.0, -480.0).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.gpu
