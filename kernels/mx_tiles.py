@@ -6,14 +6,14 @@ returns a tile in the dot's operand dtype `DOT`: BF16 on the GPU (tensor cores, 
 Triton's interpreter, whose BF16 tl.dot multiplies raw bits. MXFP8 dequantization is exact either way:
 an E4M3 value (3 mantissa bits) times 2^(scale - 127) fits BF16, whose exponent range is FP32's. On the GPU the
 E4M3 -> BF16 step is `e4m3_to`'s bit moves, not the compiler's conversion (E4M3 -> FP16 -> BF16, three conversion
-instructions per two weights at a quarter of the integer issue rate, which bound the prefill GEMMs).
+instructions per two weights at a quarter of the integer issue rate).
 
 Tiles are loaded as [BK/32, 32, R] so that each E8M0 scale is loaded once and broadcast over its 32 elements,
 then reshaped to [BK, R] (the reduction dimension first, ready for tl.dot).
 
 dequant "f16_rel" (`row_scale_max`, `row_tile_rel`, `kmajor_tile_rel`): FP16 dot operands, because E4M3 -> FP16
 is exact and one instruction per two elements (cvt e4m3x2 -> f16x2), where the compiler's E4M3 -> BF16 took three
-conversions per two weights before `e4m3_to` (the MXFP8 GEMMs were bound by that arithmetic, not bytes).
+conversions per two weights before `e4m3_to` (the MXFP8 GEMMs were bound by per-weight arithmetic, not bytes).
 FP16's exponent range (2^-24 .. 65504) cannot hold the E8M0 scales, so each operand is made relative: a weight row
 holds its groups' values times 2^(s - smax) (smax: the row's largest scale code), a power of two <= 1 applied in
 FP16, and the kernel multiplies the row's accumulator by 2^(smax - 127) after the K loop; an activation column
@@ -96,13 +96,14 @@ def e8m0_to_f32(s):
 def e4m3_to(x, DOT: tl.constexpr):
     """E4M3 values `x` in DOT dtype. To BF16 on the GPU by integer bit moves and one BF16 multiply per two values:
     the compiler's E4M3 -> BF16 goes E4M3 -> FP16 -> BF16, three conversion instructions per two values, and
-    conversions issue at a quarter of the integer rate on sm_90, which bound the prefill GEMMs (docs/perf.md). The
-    two values' 16 bits are sign-extended byte by byte into two 16-bit lanes (one byte permute), shifted left by 4
-    and masked, which leaves sign | 0000eeee | mmm0000 in each lane (the E4M3 fields in BF16's places, the exponent
-    still biased by 7), and a multiply by 2^120 rebiases it: exact for normal and subnormal E4M3 values alike (a
-    subnormal's pattern is a BF16 subnormal, m/8 * 2^-126, which the multiply keeps; the GPU test checks every
-    code). E4M3's NaN codes come out as +-480 (MXFP8 marks NaN blocks in the scale, not the elements). Triton's
-    interpreter runs no inline PTX, and its dots are FP32 anyway: a plain conversion there and for other dtypes."""
+    conversions issue at a quarter of the integer rate on sm_90 (the prefill GEMMs 6-8% faster without them, and
+    4-warp tiles fit: docs/perf.md). The two values' 16 bits are sign-extended byte by byte into two 16-bit lanes
+    (one byte permute), shifted left by 4 and masked, which leaves sign | 0000eeee | mmm0000 in each lane (the E4M3
+    fields in BF16's places, the exponent still biased by 7), and a multiply by 2^120 rebiases it: exact for normal
+    and subnormal E4M3 values alike (a subnormal's pattern is a BF16 subnormal, m/8 * 2^-126, which the multiply
+    keeps; the GPU test checks every code). E4M3's NaN codes come out as +-480 (MXFP8 marks NaN blocks in the
+    scale, not the elements). Triton's interpreter runs no inline PTX, and its dots are FP32 anyway: a plain
+    conversion there and for other dtypes."""
     if DOT == tl.bfloat16:
         return tl.inline_asm_elementwise(
             asm="""{
