@@ -8,8 +8,9 @@ Layout (row-major [out, in], as kernels/moe_reference.py):
         [E, 2I, H / 32] (one per 32 reduction elements)
     act [P, I] fp32 (out) = topk_weight * silu(gate) * up
 Work item: (pair p, block of BN rows n): the expert's gate rows n and up rows I + n, all of H in one tile, against the
-token's hidden row. Items are numbered block-major (item = block * P + p), so the pairs that share an expert read its
-rows at about the same time and all but the first read from L2.
+token's hidden row. Each program serves one pair (the grid is a multiple of P: program q serves pair q % P) and walks
+its expert's row blocks, so the expert id, routing weight and hidden row are loaded once per program; the programs of
+pairs that share an expert walk its blocks at about the same time, and all but the first read them from L2.
 Bytes: each touched expert's w13 once from HBM, 2 * I * H * (1 + 1/32) in MXFP8 (2 bytes per weight in BF16); pairs
 sharing an expert re-read it from L2; hidden rows (L2), act written P * I * 4.
 
@@ -75,31 +76,35 @@ def _gate_up_sums(w, f, x):
 
 
 @triton.jit
-def _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H: tl.constexpr, HP: tl.constexpr,
-                  I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr):
-    p = item % P
-    e = tl.load(ids_ptr + p)
-    w, row, n, n_ok = _expert_rows(d_ptr, e, item // P, H, HP, I, BN)
-    x = _hidden_row(x_ptr, p // K_TOP, H, HP)
+def _gate_up_item(x, e, rw, p, nb, d_ptr, s_ptr, act_ptr, H: tl.constexpr, HP: tl.constexpr, I: tl.constexpr,
+                  IS_MX: tl.constexpr, BN: tl.constexpr):
+    w, row, n, n_ok = _expert_rows(d_ptr, e, nb, H, HP, I, BN)
     g, u = _gate_up_sums(w, _row_scales(s_ptr, row, n_ok, H, HP, IS_MX), x)
-    rw = tl.load(rw_ptr + p).to(tl.float32)
     tl.store(act_ptr + p * I + n, rw * g * tl.sigmoid(g) * u, mask=n_ok)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, n_items, n_programs, H: tl.constexpr,
+def _gate_up_kernel(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, n_blocks, n_programs, H: tl.constexpr,
                     HP: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, IS_MX: tl.constexpr, BN: tl.constexpr,
                     STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next launch's CTAs may start (and load their weights) as soon as SMs have room
         tl.extra.cuda.gdc_launch_dependents()
+    # Program q serves pair q % P (the grid is a multiple of P): its expert, hidden row and routing weight are
+    # loaded once, outside the loop, and only the expert's row blocks stream through it.
+    q = tl.program_id(0)
+    p = q % P
+    e = tl.load(ids_ptr + p)
+    x = _hidden_row(x_ptr, p // K_TOP, H, HP)
+    rw = tl.load(rw_ptr + p).to(tl.float32)
+    stride = n_programs // P
     if INTERPRET:  # the interpreter's range() takes no runtime bounds; the GPU needs a for loop to pipeline
-        item = tl.program_id(0)
-        while item < n_items:
-            _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H, HP, I, K_TOP, IS_MX, BN)
-            item += n_programs
+        nb = q // P
+        while nb < n_blocks:
+            _gate_up_item(x, e, rw, p, nb, d_ptr, s_ptr, act_ptr, H, HP, I, IS_MX, BN)
+            nb += stride
     else:
-        for item in tl.range(tl.program_id(0), n_items, n_programs, num_stages=STAGES):
-            _gate_up_item(x_ptr, ids_ptr, rw_ptr, d_ptr, s_ptr, act_ptr, P, item, H, HP, I, K_TOP, IS_MX, BN)
+        for nb in tl.range(q // P, n_blocks, stride, num_stages=STAGES):
+            _gate_up_item(x, e, rw, p, nb, d_ptr, s_ptr, act_ptr, H, HP, I, IS_MX, BN)
 
 
 def warp_decode_gate_up(hidden, topk_weights, topk_ids, w13_parts, act, *, block_n: int, num_warps: int,
@@ -107,7 +112,8 @@ def warp_decode_gate_up(hidden, topk_weights, topk_ids, w13_parts, act, *, block
     """act[p] = topk_weights[p] * silu(gate_e(hidden[t])) * up_e(hidden[t]) for every pair p = t * k + j routed to
     e = topk_ids[t, j]; writes and returns `act` [P, I] fp32. w13_parts: (data, scales, is_mx) from
     kernels.moe_reference.weight_parts (the caller, warp_decode_moe, checks the MoE arguments); `programs`:
-    persistent programs in the grid (a few per SM)."""
+    persistent programs in the grid (a few per SM), rounded to a multiple of the pair count (at least one program a
+    pair, at most one per row block)."""
     d13, s13, is_mx = w13_parts
     (T, H), k = hidden.shape, topk_ids.shape[1]
     I = d13.shape[1] // 2
@@ -115,10 +121,10 @@ def warp_decode_gate_up(hidden, topk_weights, topk_ids, w13_parts, act, *, block
     if block_n & (block_n - 1) or num_stages < 1 or programs < 1:
         raise ValueError(f"block_n must be a power of two and num_stages, programs >= 1, got {block_n}, "
                          f"{num_stages}, {programs}")
-    n_items = triton.cdiv(I, block_n) * T * k
-    grid = min(n_items, programs)
+    n_blocks, P = triton.cdiv(I, block_n), T * k
+    grid = P * min(max(1, programs // P), n_blocks)
     if grid:
-        _gate_up_kernel[(grid,)](hidden, topk_ids, topk_weights, d13, s13, act, T * k, n_items, grid, H,
+        _gate_up_kernel[(grid,)](hidden, topk_ids, topk_weights, d13, s13, act, P, n_blocks, grid, H,
                                  triton.next_power_of_2(H), I, K_TOP=k, IS_MX=is_mx, BN=block_n, STAGES=num_stages,
                                  INTERPRET=triton.knobs.runtime.interpret, PDL=pdl, num_warps=num_warps,
                                  num_stages=num_stages)
