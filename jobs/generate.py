@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from composer_rollout.config import GenerateJobConfig, build_engine
+from composer_rollout.model.moe import tuned_table
 from jobs.hydra_config import register, to_dataclass
 
 register("generate_schema", GenerateJobConfig)
@@ -29,6 +30,8 @@ def main(cfg: DictConfig) -> None:
     engine = build_engine(job.model, job.kernel, job.engine)
     load_s = time.perf_counter() - start
     graphs = f", decode graphs captured in {engine.stats.graph_capture_s:.1f} s" if engine.graphs else ""
+    table = tuned_table(job.kernel.name.value, engine.device)
+    graphs += f", MoE tiles {table}" if table else ""
     print(f"model {job.model.source} ({engine.model.weight_dtype} experts, {job.model.dtype.value}) on "
           f"{engine.device}, kernel={job.kernel.name.value} dense={job.kernel.dense.value}: loaded in {load_s:.2f} s"
           f"{graphs}, {engine.model.memory_bytes() / 2**20:.1f} MiB of weights")

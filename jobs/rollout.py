@@ -81,6 +81,13 @@ def prepare(job: RolloutJobConfig, run_dir: Path):
     return prompts, output, scorer, decode
 
 
+def _describe_worker(info: dict) -> str:
+    """A worker's start-up line: id, process, device, graph capture time, which tuned MoE tile table it runs."""
+    graphs = f", decode graphs captured in {info['graph_capture_s']:.1f} s" if info["graph_capture_s"] else ""
+    tiles = f", MoE tiles {info['moe_tiles']}" if info["moe_tiles"] else ""
+    return f"{info['worker_id']} (pid {info['pid']}, {info['device']}{graphs}{tiles})"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="rollout")
 def main(cfg: DictConfig) -> None:
     job: RolloutJobConfig = to_dataclass(cfg)
@@ -101,9 +108,7 @@ def main(cfg: DictConfig) -> None:
     ray.init(address=job.ray.address, **init_kw)
     logger = make_logger(job.logger, run_dir, OmegaConf.to_container(cfg, resolve=True))
     pool = RolloutPool(job.model, job.kernel, job.engine, job.rollout, job.sync)
-    print("workers: " + ", ".join(f"{i['worker_id']} (pid {i['pid']}, {i['device']}"
-                                  + (f", decode graphs captured in {i['graph_capture_s']:.1f} s" if i["graph_capture_s"]
-                                     else "") + ")" for i in pool.info))
+    print("workers: " + ", ".join(_describe_worker(i) for i in pool.info))
     if job.rollout.name is not None:
         print(f"accepting weight syncs: WeightSync.connect({job.rollout.name!r}) from a process joined to this Ray "
               f"cluster (transport {job.sync.transport.value}, mode {job.sync.mode.value})")

@@ -230,7 +230,10 @@ def main():
               "measured below it, so crossover_tokens 0 sends every T there to expert-centric: tune from T = 1",
               flush=True)
     device = torch.cuda.get_device_name()
-    table = dict(device=device, triton=triton.__version__, torch=torch.__version__,
+    props = torch.cuda.get_device_properties()
+    # A GPU with no table of its own takes one whose capability and SM count match (expert_centric_moe.table_device).
+    table = dict(device=device, capability=[props.major, props.minor], multiprocessors=props.multi_processor_count,
+                 triton=triton.__version__, torch=torch.__version__,
                  date=datetime.date.today().isoformat(), tool="jobs/tune_expert_centric.py",
                  note="µs per layer, CUDA-graph replays over 8 layers of MXFP8 experts, uniform random routing",
                  dequant=args.dequant, shapes={shape_key(E, H, I, k): dict(weights="mxfp8", configs=configs,

@@ -31,13 +31,15 @@ BF16 dots at T = 8-512 on the H200 and closer to FP32 (1.78e-3 against 2.35e-3),
 "auto" (the default) takes it up to FP8_MAX_TOKENS.
 
 Tile sizes per T come from a table tuned on the GPU by jobs/tune_expert_centric.py (kernels/configs/
-expert_centric_<device>.json, per shape and T bucket, as vLLM keeps its fused_moe configs), else from
+expert_centric_<device>.json, per shape and T bucket, as vLLM keeps its fused_moe configs), or on a GPU with the same
+compute capability and SM count when this one has none (`table_device`: an H100 SXM takes the H200's), else from
 `default_config`. The same file holds the measured crossover T at which `auto` leaves warp decode. The f16_rel
 variant's tiles are tuned into expert_centric_<device>_f16_rel.json (same format); without it, it takes the
 BF16 table's tiles.
 """
 
 import functools
+import glob
 import json
 import math
 import os
@@ -124,6 +126,51 @@ def device_key(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device).lower().removeprefix("nvidia").strip().replace(" ", "_")
 
 
+def _device_arch(device: torch.device) -> tuple[int, int, int]:
+    """(major, minor, SM count): GPUs that agree on these run the same kernels on the same SMs."""
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.minor, props.multi_processor_count
+
+
+def _table_meta(device: str, dequant: str = "bf16") -> dict:
+    """A table file's header (device name, capability, SM count, provenance), {} when there is no file."""
+    path = os.path.join(CONFIG_DIR, table_name(device, dequant))
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {k: v for k, v in json.load(f).items() if k != "shapes"}
+
+
+@functools.cache
+def table_device(device: torch.device) -> str | None:
+    """The device key whose tables apply here: this GPU's own when kernels/configs/ has its table, else that of a GPU
+    with the same compute capability and SM count (an H100 SXM takes the H200's: both sm_90 with 132 SMs, and the
+    H200 table's prefill tiles were picked on an H100), else this GPU's key, which has no table (default tiles and
+    crossover). None off CUDA. `table_source` says which one a run used."""
+    own = device_key(device)
+    if own is None or _table_meta(own):
+        return own
+    arch = [*_device_arch(device)]
+    for path in sorted(glob.glob(os.path.join(CONFIG_DIR, table_name("*")))):
+        key = os.path.basename(path)[len("expert_centric_"):-len(".json")]
+        meta = _table_meta(key)
+        if meta.get("dequant", "bf16") == "bf16" and [*meta.get("capability", ()), meta.get("multiprocessors")] == arch:
+            return key
+    return own
+
+
+def table_source(device: torch.device) -> str:
+    """Which tuned table the expert-centric path and `auto` use on this device, for start-up reports."""
+    key = table_device(device)
+    meta = _table_meta(key) if key is not None else {}
+    if not meta:
+        return f"no tuned table: default tiles, crossover_tokens {DEFAULT_CROSSOVER_TOKENS}"
+    if key == device_key(device):
+        return table_name(key)
+    return (f"{table_name(key)} (tuned on {meta['device']}: same compute capability and SM count as this "
+            f"{torch.cuda.get_device_name(device)})")
+
+
 def table_name(device: str, dequant: str = "bf16") -> str:
     """The tuned table's file name: expert_centric_h200.json, expert_centric_h200_f16_rel.json."""
     return f"expert_centric_{device}{'' if dequant == 'bf16' else '_' + dequant}.json"
@@ -152,9 +199,9 @@ def tuned_config(T: int, E: int, H: int, I: int, k: int, device: torch.device,
     """The table's entry for the nearest tuned T (on a log scale), else default_config. A dequant mode with no
     table of its own takes the BF16 table's tiles (the same kernels' tiles, tuned for the other operand dtype)."""
     key = shape_key(E, H, I, k)
-    configs = load_table(device_key(device), dequant).get(key, {}).get("configs")
+    configs = load_table(table_device(device), dequant).get(key, {}).get("configs")
     if not configs and dequant != "bf16":
-        configs = load_table(device_key(device)).get(key, {}).get("configs")
+        configs = load_table(table_device(device)).get(key, {}).get("configs")
     if not configs:
         return default_config(T, E, k)
     nearest = min(configs, key=lambda t: abs(math.log2(int(t)) - math.log2(max(T, 1))))
@@ -172,7 +219,7 @@ def pick_dequant(dequant: str, T: int, weights_mx: bool) -> str:
 def crossover_tokens(E: int, H: int, I: int, k: int, device: torch.device, dequant: str = "bf16") -> int:
     """The largest T at which `auto` runs warp decode against the expert-centric path with that operand mode:
     measured per shape on the device (that mode's table, else the BF16 one's), else the default."""
-    key, dev = shape_key(E, H, I, k), device_key(device)
+    key, dev = shape_key(E, H, I, k), table_device(device)
     for table in (load_table(dev, dequant), load_table(dev)):
         if "crossover_tokens" in table.get(key, {}):
             return int(table[key]["crossover_tokens"])

@@ -266,6 +266,7 @@ def test_tuned_table(tmp_path, monkeypatch):
     (tmp_path / "expert_centric_h200.json").write_text(json.dumps(table))
     monkeypatch.setattr(ec, "CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(ec, "device_key", lambda device: "h200")
+    ec.table_device.cache_clear()
     ec.load_table.cache_clear()
     try:
         cpu = torch.device("cpu")
@@ -282,6 +283,40 @@ def test_tuned_table(tmp_path, monkeypatch):
         assert ec.crossover_tokens(128, 4096, 1536, 8, cpu) == ec.DEFAULT_CROSSOVER_TOKENS
         assert ec.tuned_config(2048, 128, 4096, 1536, 8, cpu) == ec.default_config(2048, 128, 8)
     finally:
+        ec.table_device.cache_clear()
+        ec.load_table.cache_clear()
+
+
+def test_table_of_the_same_architecture(tmp_path, monkeypatch):
+    """A GPU with no table of its own takes the table tuned on a GPU with the same compute capability and SM count,
+    and says so; a different SM count gets the defaults."""
+    entry = {"block_m": 32, "gate_up": {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
+             "down": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2}}
+    shapes = {ec.shape_key(128, 2048, 768, 8): {"crossover_tokens": 8, "configs": {"64": entry}}}
+    header = {"device": "NVIDIA H200", "capability": [9, 0], "multiprocessors": 132}
+    (tmp_path / "expert_centric_h200.json").write_text(json.dumps({**header, "shapes": shapes}))
+    (tmp_path / "expert_centric_h200_fp8.json").write_text(json.dumps({**header, "dequant": "fp8", "shapes": {}}))
+    monkeypatch.setattr(ec, "CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(ec, "device_key", lambda device: "h100_80gb_hbm3")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cpu = torch.device("cpu")
+    try:
+        tuned, default = ExpertCentricConfig.from_dict(entry), ec.default_config(48, 128, 8)
+        for sms, crossover, config in ((132, 8, tuned), (114, ec.DEFAULT_CROSSOVER_TOKENS, default)):
+            monkeypatch.setattr(ec, "_device_arch", lambda device, sms=sms: (9, 0, sms))
+            ec.table_device.cache_clear()
+            ec.load_table.cache_clear()
+            assert ec.crossover_tokens(128, 2048, 768, 8, cpu) == crossover
+            assert ec.tuned_config(48, 128, 2048, 768, 8, cpu) == config
+            source = ec.table_source(cpu)
+            assert ("expert_centric_h200.json (tuned on NVIDIA H200" in source) == (sms == 132), source
+            assert ("default tiles" in source) == (sms != 132), source
+        # Its own table, once there is one, wins over the same-architecture one.
+        (tmp_path / "expert_centric_h100_80gb_hbm3.json").write_text(json.dumps({**header, "shapes": {}}))
+        ec.table_device.cache_clear()
+        assert ec.table_device(cpu) == "h100_80gb_hbm3"
+    finally:
+        ec.table_device.cache_clear()
         ec.load_table.cache_clear()
 
 

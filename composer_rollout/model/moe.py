@@ -27,6 +27,7 @@ from kernels import (
     router_topk_reference,
     warp_decode_moe,
 )
+from kernels.expert_centric_moe import table_source
 from kernels.router_gate_topk import router_gate_topk
 
 MoEPath = Callable[..., torch.Tensor]
@@ -67,6 +68,15 @@ def resolve_kernel_path(name: str) -> MoEPath:
     if name in KERNEL_PATHS:
         return KERNEL_PATHS[name]
     raise ValueError(f"kernel {name!r} is unknown; choose one of {sorted(KERNEL_PATHS)}")
+
+
+def tuned_table(kernel: str, device: torch.device) -> str | None:
+    """Which tuned tile table (kernels/configs/) kernel=expert_centric or auto runs with on this device, for the jobs'
+    start-up lines: a GPU without its own table may take one of the same architecture, or none (default tiles);
+    None for the other paths and off CUDA."""
+    if kernel not in ("expert_centric", "auto") or device.type != "cuda":
+        return None
+    return table_source(device)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, fused: bool = False,

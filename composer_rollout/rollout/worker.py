@@ -25,6 +25,7 @@ import torch
 
 from composer_rollout.config import EngineConfig, KernelConfig, ModelConfig, SyncConfig, SyncMode, build_engine
 from composer_rollout.engine import RolloutResult, SamplingParams
+from composer_rollout.model.moe import tuned_table
 from composer_rollout.sync import SyncReceiver, WeightSyncError, WeightUpdate
 from composer_rollout.sync.channels import device_uuid
 from composer_rollout.sync.update import live_weights
@@ -73,6 +74,7 @@ class RolloutWorker:
                 "gpu_uuid": device_uuid(self.engine.device) if gpu else None,
                 "max_num_seqs": self.engine.max_num_seqs, "weight_version": self.engine.weight_version,
                 "graph_capture_s": self.engine.stats.graph_capture_s,
+                "moe_tiles": tuned_table(self.engine.model.kernel, self.engine.device),
                 "sync": dataclasses.asdict(self.sync_cfg)}
 
     def submit(self, requests: list[Request]) -> int:
