@@ -148,7 +148,7 @@ def table_device(device: torch.device) -> str | None:
     H200 table's prefill tiles were picked on an H100), else this GPU's key, which has no table (default tiles and
     crossover). None off CUDA. `table_source` says which one a run used."""
     own = device_key(device)
-    if own is None or _table_meta(own):
+    if own is None or os.path.exists(os.path.join(CONFIG_DIR, table_name(own))):
         return own
     arch = [*_device_arch(device)]
     for path in sorted(glob.glob(os.path.join(CONFIG_DIR, table_name("*")))):
