@@ -1,9 +1,9 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | bench-attention | bench-skinny | bench-router | bench-decode | bench-prefill | profile-decode | gpu-*
+# bench-sync | bench-attention | bench-skinny | bench-router | bench-sampler | bench-decode | bench-prefill | profile-decode | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-decode profile-decode \
+	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-sampler bench-decode profile-decode \
 	gpu-decode gpu-multi bench-prefill gpu-prefill
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
@@ -45,6 +45,9 @@ bench-skinny:  ## skinny_linear (a decode step's projections and router gate) ag
 
 bench-router:  ## the decode router's forms per T (one launch vs norm + gate GEMM + top-k), sets FUSED_ROUTER_MAX_T (GPU)
 	$(PY) jobs/bench_router.py $(ARGS)
+
+bench-sampler:  ## the decode step's unfiltered sampler (kernels/gumbel_sample.py) against its torch form, per batch (GPU)
+	$(PY) jobs/bench_sampler.py $(ARGS)
 
 profile-decode:  ## where a captured decode step's time goes, kernel by kernel (GPU)
 	$(PY) jobs/profile_decode.py $(ARGS)

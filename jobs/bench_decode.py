@@ -35,7 +35,7 @@ import torch
 from composer_rollout.engine import RolloutEngine, SamplingParams
 from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.engine.graphs import DecodeGraphs
-from composer_rollout.engine.sampling import sample
+from composer_rollout.engine.sampling import HostReadout, sample
 from composer_rollout.model import Qwen3MoE, preset
 from jobs.bench_moe import read_ceiling_tbs
 from kernels import MXFP8Tensor
@@ -74,27 +74,30 @@ def host_read_ceiling_tbs() -> float:
 
 
 class EagerSteps:
-    """DecodeGraphs' interface without graphs (CPU): the same forward, launched op by op."""
+    """DecodeGraphs' interface without graphs (CPU): the same forward and sampler, launched op by op."""
 
     def __init__(self, model, cache):
         self.model, self.cache, self.capture_s = model, cache, 0.0
 
-    def run(self, ids, positions, slots):
+    def run(self, ids, positions, slots, temperature, seeds, steps):
         a = self.model.args
         capture = ExpertCapture(a.num_hidden_layers, ids.shape[0], a.num_experts_per_tok, a.num_experts,
                                 self.model.device)
         hidden = self.model(ids, positions, slots, self.cache, capture)
-        return self.model.compute_logits(hidden[:, 0]), capture
+        logits = self.model.compute_logits(hidden[:, 0])
+        return logits, *sample(logits, temperature, None, None, seeds, steps, filtered=False,
+                               fused=self.model.dense == "triton"), capture
 
 
 def time_step(steps, ids, positions, slots, params, reps) -> tuple[float, torch.Tensor]:
-    """Median seconds of one engine decode step, and the routed expert ids [layers, B, k] of the last one."""
-    times = []
+    """Median seconds of one engine decode step (the engine's own when no row filters: the step with its sampler,
+    then tokens and logprobs to the host), and the routed expert ids [layers, B, k] of the last one."""
+    readout, times = HostReadout(ids.device), []
+    temperature, _, _, seeds, step_ids = params
     for _ in range(reps + 2):
         start = time.perf_counter()
-        logits, capture = steps.run(ids, positions, slots)
-        tokens, _ = sample(logits, *params, filtered=False)  # what the engine runs when no row filters
-        tokens.tolist()
+        _, tokens, logprobs, capture = steps.run(ids, positions, slots, temperature, seeds, step_ids)
+        readout.read(tokens, logprobs, ids.shape[0])
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:]), capture.ids.clone()
 

@@ -44,19 +44,20 @@ def kernel_groups(prof) -> dict[str, list[float]]:
     return dict(groups)
 
 
-def profile_step(graphs, ids, positions, slots, steps: int) -> tuple[float, dict]:
-    """(wall seconds per step, {kernel name: [calls, total µs]} per step) over `steps` replays."""
+def profile_step(graphs, inputs, steps: int) -> tuple[float, dict]:
+    """(wall seconds per step, {kernel name: [calls, total µs]} per step) over `steps` replays of the step
+    (`inputs`: DecodeGraphs.run's arguments)."""
     for _ in range(3):
-        graphs.run(ids, positions, slots)
+        graphs.run(*inputs)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        graphs.run(ids, positions, slots)
+        graphs.run(*inputs)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            graphs.run(ids, positions, slots)
+            graphs.run(*inputs)
         torch.cuda.synchronize()
     return wall, {k: [v[0] / steps, v[1] / steps] for k, v in kernel_groups(prof).items()}
 
@@ -90,7 +91,9 @@ def main():
         for b in batches:
             ids = torch.randint(0, model.args.vocab_size, (b, 1), device=dev, generator=gen)
             positions = torch.full((b, 1), args.context - 1, device=dev)
-            wall, groups = profile_step(graphs, ids, positions, torch.arange(b, device=dev), args.steps)
+            rows = torch.arange(b, device=dev)  # slots, and the rows' sampling seeds; temperature 1, step 0
+            inputs = (ids, positions, rows, torch.ones(b, device=dev), rows, torch.zeros_like(rows))
+            wall, groups = profile_step(graphs, inputs, args.steps)
             busy = sum(us for _, us in groups.values())
             print(f"\n{kernel} dense={args.dense} B={b} c={args.context}: step {wall * 1e6:.0f} µs wall, "
                   f"{busy:.0f} µs in kernels ({100 * busy / (wall * 1e6):.0f}%), "

@@ -7,6 +7,7 @@ Imports only torch and triton: the model, engine and jobs build on this package,
 from kernels.attention_reference import cache_attention_reference, check_attention_args
 from kernels.decode_attention import decode_attention
 from kernels.expert_centric_moe import auto_moe, expert_centric_moe
+from kernels.gumbel_sample import gumbel_sample, gumbel_sample_reference
 from kernels.lm_head import lm_head_logits, lm_head_reference
 from kernels.moe_reference import check_moe_args, moe_reference
 from kernels.mxfp8 import MXFP8_BLOCK, MXFP8Tensor, as_dense, mxfp8_dequantize, mxfp8_quantize
@@ -28,6 +29,8 @@ __all__ = [
     "check_moe_args",
     "decode_attention",
     "expert_centric_moe",
+    "gumbel_sample",
+    "gumbel_sample_reference",
     "lm_head_logits",
     "lm_head_reference",
     "moe_reference",

@@ -32,7 +32,7 @@ import torch
 from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.engine.graphs import DecodeGraphs
 from composer_rollout.engine.memory import kv_slots
-from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
+from composer_rollout.engine.sampling import HostReadout, RolloutResult, SamplingParams, sample
 from composer_rollout.engine.sequence import EngineStats, Prefill, Request, Sequence, batch_buckets, sample_seed
 from composer_rollout.model import PRESETS, ModelArgs, Packed, Qwen3MoE, load_checkpoint, preset
 from composer_rollout.sync.update import WeightUpdate
@@ -86,6 +86,7 @@ class RolloutEngine:
         self.cache = model.new_kv_cache(max_num_seqs, self.max_model_len)
         self.buckets = batch_buckets(max_num_seqs)
         self.graphs = DecodeGraphs(model, self.cache, self.buckets) if cuda_graphs else None
+        self.readout = HostReadout(self.device)
         self.weight_version = 0
         self.stats = EngineStats(graph_capture_s=self.graphs.capture_s if self.graphs else 0.0)
         self._rng = random.Random(seed)
@@ -329,8 +330,8 @@ class RolloutEngine:
             seqs, slots, rows = seqs + new, slots + pre.slots, rows + [b] * len(new)
         params, filtered, _ = self._step_inputs(seqs, len(seqs))
         logits = self.model.compute_logits(last)[torch.tensor(rows, device=self.device)]
-        tokens, logprobs = sample(logits, *params, filtered=filtered)
-        return self._append(slots, tokens.tolist(), logprobs.tolist())
+        tokens, logprobs = sample(logits, *params, filtered=filtered, fused=self.model.dense == "triton")
+        return self._append(slots, *self.readout.read(tokens, logprobs, len(slots)))
 
     def _decode(self) -> list[RolloutResult]:
         start = time.perf_counter()
@@ -343,15 +344,18 @@ class RolloutEngine:
             [len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs] + [0] * pad,
             slots + [self.cache.scratch_slot] * pad])
         asked = [i for i, s in enumerate(seqs) if s.request.sampling.return_routed_experts]
+        temperature, _, _, seeds, steps = params
         if self.graphs is not None:
-            logits, capture = self.graphs.run(ids[:, None], pos[:, None], slot_t)
+            logits, tokens, logprobs, capture = self.graphs.run(ids[:, None], pos[:, None], slot_t, temperature,
+                                                                seeds, steps)
             capture = capture if asked else None
         else:
             capture = self._capture(rows) if asked else None
             hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache, capture)
             logits = self.model.compute_logits(hidden[:, 0])
-        tokens, logprobs = sample(logits, *params, filtered=filtered)
-        tokens, logprobs = tokens[: len(slots)].tolist(), logprobs[: len(slots)].tolist()
+        if filtered or self.graphs is None:  # the graph's own sample is the unfiltered one
+            tokens, logprobs = sample(logits, *params, filtered=filtered, fused=self.model.dense == "triton")
+        tokens, logprobs = self.readout.read(tokens, logprobs, len(slots))
         if capture is not None:  # read after the tokens: the step has synchronised already
             for i, row in zip(asked, capture.rows(asked), strict=True):
                 seqs[i].routing.append(row[None])

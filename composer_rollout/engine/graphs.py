@@ -6,10 +6,12 @@ host is the bottleneck. A graph launches them all in one call. What a graph need
 a step's tensors have a static shape per bucket (padding rows decode on the scratch slot), and nothing inside
 the forward reads back to the host.
 
-What is captured: the model's forward of one token per row and the FP32 logits of the last hidden state, plus
-the routed-expert ids of every row (an ExpertCapture of the bucket's rows, written by each layer's router,
-recorded always, read only for the sequences that asked). Sampling runs after the replay, eagerly: its filtering
-depends on the rows' parameters, and it is a handful of launches.
+What is captured: the model's forward of one token per row, the FP32 logits of the last hidden state, the rows'
+tokens and logprobs sampled without top-k / top-p (temperature and per-row seeds are graph inputs; with the Triton
+dense path the sampler is kernels/gumbel_sample.py's two launches), plus the routed-expert ids of every row (an
+ExpertCapture of the bucket's rows, written by each layer's router, recorded always, read only for the sequences
+that asked). A step whose rows filter samples again from the logits, eagerly: the sort it takes depends on the
+rows' parameters. Sampled eagerly after the replay, the torch form cost a B = 1 step ~0.3 ms (docs/perf.md).
 
 The graphs read the weights at the addresses they had at capture, so a weight update must be copied into the
 live tensors (WeightUpdate.apply(..., in_place=True)), never swapped by pointer. Buckets are captured largest
@@ -24,6 +26,7 @@ import time
 import torch
 
 from composer_rollout.engine.capture import ExpertCapture
+from composer_rollout.engine.sampling import sample
 
 
 class DecodeGraphs:
@@ -40,6 +43,8 @@ class DecodeGraphs:
             ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
             positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
             slots = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=dev)
+            sampling = (torch.zeros(rows, device=dev), torch.zeros(rows, dtype=torch.long, device=dev),
+                        torch.zeros(rows, dtype=torch.long, device=dev))  # temperature, seeds, steps
             capture = ExpertCapture(a.num_hidden_layers, rows, a.num_experts_per_tok, a.num_experts, dev)
             # Warm-up outside the graph, on a side stream as torch requires: Triton compiles and autotunes, cuBLAS
             # makes its workspaces; none of that may happen during capture.
@@ -47,32 +52,36 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(warmup):
-                    self._forward(ids, positions, slots, capture)
+                    self._forward(ids, positions, slots, sampling, capture)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(ids, positions, slots, capture)
-            self._graphs[rows] = (graph, ids, positions, slots, capture, logits)
+                outputs = self._forward(ids, positions, slots, sampling, capture)
+            self._graphs[rows] = (graph, (ids, positions, slots, *sampling), outputs, capture)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - start
 
-    def _forward(self, ids, positions, slots, capture) -> torch.Tensor:
+    def _forward(self, ids, positions, slots, sampling, capture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = self.model(ids, positions, slots, self.cache, capture)
-        return self.model.compute_logits(hidden[:, 0])
+        logits = self.model.compute_logits(hidden[:, 0])
+        temperature, seeds, steps = sampling
+        return logits, *sample(logits, temperature, None, None, seeds, steps, filtered=False,
+                               fused=self.model.dense == "triton")
 
     @property
     def buckets(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-        """ids, positions [rows, 1], slots [rows] for a captured bucket size -> (logits [rows, V] fp32, the
-        ExpertCapture of the step). Both are the graph's own buffers: read them before the next replay."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, temperature: torch.Tensor,
+            seeds: torch.Tensor, steps: torch.Tensor):
+        """ids, positions [rows, 1], slots, temperature, seeds, steps [rows] for a captured bucket size ->
+        (logits [rows, V] fp32, tokens [rows] int64 and logprobs [rows] fp32 sampled without top-k / top-p, the
+        ExpertCapture of the step). All are the graph's own buffers: read them before the next replay."""
         rows = ids.shape[0]
         if rows not in self._graphs:
             raise ValueError(f"no decode graph for {rows} rows; captured: {self.buckets}")
-        graph, g_ids, g_positions, g_slots, capture, logits = self._graphs[rows]
-        g_ids.copy_(ids)
-        g_positions.copy_(positions)
-        g_slots.copy_(slots)
+        graph, inputs, (logits, tokens, logprobs), capture = self._graphs[rows]
+        for dst, src in zip(inputs, (ids, positions, slots, temperature, seeds, steps), strict=True):
+            dst.copy_(src)
         graph.replay()
-        return logits, capture
+        return logits, tokens, logprobs, capture

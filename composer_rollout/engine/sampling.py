@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.gumbel_sample import gumbel_noise, gumbel_sample, gumbel_sample_reference
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -100,40 +102,20 @@ class RolloutResult:
         return [v for v, n in self.weight_versions for _ in range(n)]
 
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors; products stay below 2^63, so it is exact on any device."""
-    x = x & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] determined by each row's (seed, step) alone."""
-    row = _hash32(seeds ^ _hash32(steps + 0x9E3779B9)) ^ _hash32(seeds >> 32)
-    cols = _hash32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F)
-    bits = _hash32(row[:, None] ^ cols[None, :]) >> 9  # 23 uniform bits
-    u = (bits.to(torch.float32) + 0.5) / float(1 << 23)  # exact in FP32: 24 significant bits
-    return -torch.log(-torch.log(u))
-
-
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, steps: torch.Tensor, *, filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           seeds: torch.Tensor, steps: torch.Tensor, *, filtered: bool = True,
+           fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 and per-row params [B] -> (tokens [B] int64, logprobs [B] fp32). filtered=False skips the
     top-k / top-p machinery (a sort of every row over the vocabulary): the caller knows from the host-side params
-    that no row has top_k > 0 or top_p < 1, and the result is then the same."""
+    that no row has top_k > 0 or top_p < 1, and the result is then the same. That case runs kernels/gumbel_sample.py
+    with `fused` (two launches; the tokens bit-identical on the GPU) and its torch form without."""
+    if not filtered:
+        return (gumbel_sample if fused else gumbel_sample_reference)(logits, temperature, seeds, steps)
     greedy = temperature == 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / scale[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     V = logits.shape[-1]
-    if not filtered:
-        sampled = torch.argmax(scaled + gumbel_noise(seeds, steps, V), dim=-1)
-        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
-        return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
     keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
@@ -145,3 +127,24 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sampled = torch.argmax(filtered + gumbel_noise(seeds, steps, V), dim=-1)
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
     return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+class HostReadout:
+    """A step's sampled tokens and logprobs to the host in one synchronisation: both copied into pinned buffers
+    without blocking, then one wait (two .tolist() calls would wait twice). Grows to the largest step it reads."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.rows = torch.device(device), 0
+
+    def read(self, tokens: torch.Tensor, logprobs: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
+        """The first n tokens and logprobs as lists."""
+        if self.device.type != "cuda":
+            return tokens[:n].tolist(), logprobs[:n].tolist()
+        if n > self.rows:
+            self.rows = max(n, 2 * self.rows)
+            self._tokens = torch.empty(self.rows, dtype=torch.int64, pin_memory=True)
+            self._logprobs = torch.empty(self.rows, dtype=torch.float32, pin_memory=True)
+        self._tokens[:n].copy_(tokens[:n], non_blocking=True)
+        self._logprobs[:n].copy_(logprobs[:n], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._tokens[:n].tolist(), self._logprobs[:n].tolist()
