@@ -1,6 +1,6 @@
 """Decode throughput of the engine on the GPU, against the bandwidth roofline measured in the same run.
 
-Three sections (--sections):
+Four sections (--sections):
 - steps: one decode step (the captured CUDA graph of the batch bucket, then sampling and the read of the sampled
   tokens: what the engine does per step) at each batch B and context c, for each MoE kernel path. Every row's
   cache holds c random keys and values (never zeros), so attention reads c positions per row. The roofline of
@@ -11,6 +11,8 @@ Three sections (--sections):
   are drawn from a log-normal (clipped to --longtail-max), more requests than slots: decode tokens/s and the mean
   batch occupancy (live rows over slots per decode step), over the whole run and while requests were waiting, and
   the whole-run bound of the same lengths for a scheduler that cannot know them in advance (fifo_occupancy).
+- engine: the engine's own decode step (RolloutEngine with graphs, kernel auto) with B rows live and nothing
+  prefilling, host bookkeeping included, beside the steps section's step at the first context.
 - accuracy: the fast engine's greedy samples teacher-forced through an FP32 copy of the same weights (dense
   weights widened from BF16, the same MXFP8 experts, torch attention and MoE): |delta logprob| of the generated
   tokens, and where the greedy tokens first differ, the reference's top-2 margin there against BF16 rounding.
@@ -35,7 +37,8 @@ import torch
 from composer_rollout.engine import RolloutEngine, SamplingParams
 from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.engine.graphs import DecodeGraphs
-from composer_rollout.engine.sampling import HostReadout, sample
+from composer_rollout.engine.sampling import sample
+from composer_rollout.engine.step_io import HostReadout
 from composer_rollout.model import Qwen3MoE, preset
 from jobs.bench_moe import read_ceiling_tbs
 from kernels import MXFP8Tensor
@@ -186,6 +189,34 @@ def bench_longtail(model, slots, requests, prompt_len, max_len, seed):
     return out, occupancy
 
 
+def bench_engine(model, batches, context, tokens, seed):
+    """The engine's own decode step (RolloutEngine, kernel auto, graphs where they run): B requests of a `context`-token
+    prompt, and the median wall time of its decode steps with all B rows live and nothing prefilling, the host's
+    part (inputs, the graph launch, the readout and the bookkeeping) included. Against the steps section's step at
+    the same B and context, the difference is what the engine's Python costs per step."""
+    model.set_paths(kernel="auto")
+    rng, rows = np.random.default_rng(seed), []
+    engine = RolloutEngine(model, max_num_seqs=max(batches), max_model_len=context + tokens + 1, seed=seed,
+                           cuda_graphs=None)
+    s = engine.stats
+    for b in batches:
+        for i in range(b):
+            engine.add_request(rng.integers(0, model.args.vocab_size, context).tolist(),
+                               SamplingParams(temperature=1.0, max_tokens=tokens, seed=i), prompt_index=i)
+        times = []
+        while engine.has_unfinished():
+            full = engine.num_live == b and engine.num_waiting == 0
+            decode_s, prefills = s.decode_s, s.prefill_forwards
+            engine.step()
+            if full and s.prefill_forwards == prefills:
+                times.append(s.decode_s - decode_s)
+        rows.append(dict(B=b, context=context, engine_step_ms=round(statistics.median(times) * 1e3, 3),
+                         steps=len(times)))
+        print(f"engine B={b:<4} c={context:<6} {rows[-1]['engine_step_ms']:8.3f} ms per decode step "
+              f"(median of {len(times)})", flush=True)
+    return rows
+
+
 def fp32_twin(model) -> Qwen3MoE:
     """An FP32 copy of `model`: dense weights widened from BF16, the same MXFP8 experts, torch attention and MoE."""
     a = model.args
@@ -274,11 +305,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--preset", default="qwen3_30b_a3b")
-    p.add_argument("--sections", default="steps,longtail,accuracy")
+    p.add_argument("--sections", default="steps,engine,longtail,accuracy")
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--contexts", default="1024,4096,16384")
     p.add_argument("--kernels", default="warp_decode,expert_centric,auto")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--engine-tokens", type=int, default=32)
     p.add_argument("--longtail-slots", type=int, default=64)
     p.add_argument("--longtail-requests", type=int, default=512)
     p.add_argument("--longtail-max", type=int, default=8192)
@@ -290,8 +322,11 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     sections = set(args.sections.split(","))
-    if sections - {"steps", "longtail", "accuracy"}:
-        raise SystemExit(f"--sections: unknown {sorted(sections - {'steps', 'longtail', 'accuracy'})}")
+    known = {"steps", "engine", "longtail", "accuracy"}
+    if sections - known:
+        raise SystemExit(f"--sections: unknown {sorted(sections - known)}")
+    if args.engine_tokens < 3:  # the first token comes from the prefill, the second from a step that prefilled
+        raise SystemExit(f"--engine-tokens must be >= 3 (a decode step with every row live), got {args.engine_tokens}")
     os.makedirs(args.out, exist_ok=True)
     ceiling = read_ceiling_tbs() if args.device == "cuda" else host_read_ceiling_tbs()
     print(f"read ceiling {ceiling:.3f} TB/s (streaming read, median)", flush=True)
@@ -299,10 +334,13 @@ def main():
     # No eos: random weights would stop a sample at random; every response runs to its drawn length.
     model = Qwen3MoE(preset(args.preset, eos_token_id=()), device=args.device, weight_dtype="mxfp8", kernel="auto",
                      dense="triton").init_random(args.seed)
-    rows, longtail, occupancy, accuracy = [], None, [], None
+    rows, engine_rows, longtail, occupancy, accuracy = [], [], None, [], None
     if "steps" in sections:
         rows = bench_steps(model, [int(b) for b in args.batches.split(",")],
                            [int(c) for c in args.contexts.split(",")], args.kernels.split(","), args.reps, ceiling, gen)
+    if "engine" in sections:
+        engine_rows = bench_engine(model, [int(b) for b in args.batches.split(",")],
+                                   int(args.contexts.split(",")[0]), args.engine_tokens, args.seed)
     if "longtail" in sections:
         longtail, occupancy = bench_longtail(model, args.longtail_slots, args.longtail_requests,
                                              args.longtail_prompt_len, args.longtail_max, args.seed)
@@ -318,10 +356,11 @@ def main():
     ratio = {f"B{b}/c{c}": round(tok_s("warp_decode", b, c) / tok_s("expert_centric", b, c), 3)
              for b in (1, 8) for c in {r["context"] for r in rows}
              if tok_s("warp_decode", b, c) and tok_s("expert_centric", b, c)}
+    engine = {f"B{r['B']}/c{r['context']}": r["engine_step_ms"] for r in engine_rows}
     summary = dict(bench="decode", ceiling_tbs=round(ceiling, 3), roofline_frac=frac,
-                   warp_vs_expert_centric=ratio, longtail=longtail, accuracy=accuracy, targets=TARGETS)
+                   warp_vs_expert_centric=ratio, engine=engine, longtail=longtail, accuracy=accuracy, targets=TARGETS)
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-        json.dump(dict(summary, rows=rows, occupancy=occupancy), f)
+        json.dump(dict(summary, rows=rows, engine_rows=engine_rows, occupancy=occupancy), f)
     print(json.dumps(summary))
 
 

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_decode_runs_every_section(tmp_path):
     cmd = [sys.executable, "-m", "jobs.bench_decode", "--device", "cpu", "--preset", "tiny", "--batches", "1,2",
            "--contexts", "9", "--kernels", "warp_decode,expert_centric", "--reps", "1", "--longtail-slots", "2",
-           "--longtail-requests", "3", "--longtail-max", "4", "--longtail-prompt-len", "3", "--accuracy-prompts",
-           "1", "--accuracy-tokens", "3", "--accuracy-prompt-len", "4", "--out", str(tmp_path)]
+           "--longtail-requests", "3", "--longtail-max", "4", "--longtail-prompt-len", "3", "--engine-tokens", "4",
+           "--accuracy-prompts", "1", "--accuracy-tokens", "3", "--accuracy-prompt-len", "4", "--out", str(tmp_path)]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -23,6 +23,7 @@ def test_bench_decode_runs_every_section(tmp_path):
     assert set(summary["roofline_frac"]) == {f"{k}/B{b}/c9" for k in ("warp_decode", "expert_centric")
                                               for b in (1, 2)}
     assert set(summary["warp_vs_expert_centric"]) == {"B1/c9"}
+    assert set(summary["engine"]) == {"B1/c9", "B2/c9"} and all(v > 0 for v in summary["engine"].values())
     assert summary["longtail"]["requests"] == 3 and 0 < summary["longtail"]["occupancy"] <= 1
     assert 0 < summary["longtail"]["occupancy_bound_fifo"] <= 1
     assert summary["accuracy"]["mean_abs_dlogprob"] < 0.05  # BF16 + MXFP8 engine against its FP32 twin

@@ -32,8 +32,9 @@ import torch
 from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.engine.graphs import DecodeGraphs
 from composer_rollout.engine.memory import kv_slots
-from composer_rollout.engine.sampling import HostReadout, RolloutResult, SamplingParams, sample
+from composer_rollout.engine.sampling import RolloutResult, SamplingParams, sample
 from composer_rollout.engine.sequence import EngineStats, Prefill, Request, Sequence, batch_buckets, sample_seed
+from composer_rollout.engine.step_io import HostReadout, StepInputs
 from composer_rollout.model import PRESETS, ModelArgs, Packed, Qwen3MoE, load_checkpoint, preset
 from composer_rollout.sync.update import WeightUpdate
 
@@ -85,8 +86,8 @@ class RolloutEngine:
         self.device = model.device
         self.cache = model.new_kv_cache(max_num_seqs, self.max_model_len)
         self.buckets = batch_buckets(max_num_seqs)
-        self.graphs = DecodeGraphs(model, self.cache, self.buckets) if cuda_graphs else None
-        self.readout = HostReadout(self.device)
+        self.inputs, self.readout = StepInputs(max(self.buckets), self.device), HostReadout(self.device)
+        self.graphs = DecodeGraphs(model, self.cache, self.buckets, self.inputs) if cuda_graphs else None
         self.weight_version = 0
         self.stats = EngineStats(graph_capture_s=self.graphs.capture_s if self.graphs else 0.0)
         self._rng = random.Random(seed)
@@ -243,18 +244,18 @@ class RolloutEngine:
                 self._free.append(slot)
         return finished
 
-    def _step_inputs(self, seqs: list[Sequence], rows: int, extra: list[list[int]] = ()):
-        """A step's per-row tensors in two host-to-device copies (one int64, one fp32) rather than one per field:
-        (temperature, top_k, top_p, seeds, steps) for sampling, whether any row filters (top-k or top-p), then the
-        `extra` int rows (each `rows` long). Padding rows are greedy with seed 0."""
-        pad = [0] * (rows - len(seqs))
-        ints = torch.tensor([[s.request.sampling.top_k for s in seqs] + pad, [s.seed for s in seqs] + pad,
-                             [len(s.token_ids) for s in seqs] + pad, *extra], dtype=torch.int64, device=self.device)
-        floats = torch.tensor([[float(s.request.sampling.temperature) for s in seqs] + [0.0] * len(pad),
-                               [float(s.request.sampling.top_p) for s in seqs] + [1.0] * len(pad)],
-                              dtype=torch.float32, device=self.device)
+    def _step_inputs(self, seqs: list[Sequence], rows: int, columns: dict[str, list] | None = None):
+        """A step's per-row tensors on the device, sent in two copies that do not block
+        (composer_rollout.engine.step_io): the sampling params (temperature, top_k, top_p, seeds, steps), whether
+        any row filters (top-k or top-p), and the views of every row ({name: [rows] tensor}, `columns`' among them:
+        the decode step's ids, positions and slots). Padding rows are greedy with seed 0."""
+        pad = rows - len(seqs)
+        v = self.inputs.load(rows, dict(
+            top_k=[s.request.sampling.top_k for s in seqs], seeds=[s.seed for s in seqs],
+            steps=[len(s.token_ids) for s in seqs], temperature=[float(s.request.sampling.temperature) for s in seqs],
+            top_p=[float(s.request.sampling.top_p) for s in seqs] + [1.0] * pad, **(columns or {})))
         filtered = any(s.request.sampling.top_k > 0 or s.request.sampling.top_p < 1 for s in seqs)
-        return (floats[0], ints[0], floats[1], ints[1], ints[2]), filtered, ints[3:]
+        return (v["temperature"], v["top_k"], v["top_p"], v["seeds"], v["steps"]), filtered, v
 
     def _take_whole_prompts(self, budget: int) -> list[Prefill]:
         """Waiting groups, in order, whose whole prompts fit one forward of at most `budget` tokens together and whose
@@ -339,19 +340,16 @@ class RolloutEngine:
         seqs = [self._live[s] for s in slots]
         rows = next(b for b in self.buckets if b >= len(slots))
         pad = rows - len(slots)
-        params, filtered, (ids, pos, slot_t) = self._step_inputs(seqs, rows, [
-            [s.token_ids[-1] for s in seqs] + [0] * pad,
-            [len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs] + [0] * pad,
-            slots + [self.cache.scratch_slot] * pad])
+        params, filtered, v = self._step_inputs(seqs, rows, dict(
+            ids=[s.token_ids[-1] for s in seqs], positions=[len(s.request.prompt) + len(s.token_ids) - 1 for s in seqs],
+            slots=slots + [self.cache.scratch_slot] * pad))
         asked = [i for i, s in enumerate(seqs) if s.request.sampling.return_routed_experts]
-        temperature, _, _, seeds, steps = params
         if self.graphs is not None:
-            logits, tokens, logprobs, capture = self.graphs.run(ids[:, None], pos[:, None], slot_t, temperature,
-                                                                seeds, steps)
+            logits, tokens, logprobs, capture = self.graphs.replay(rows)
             capture = capture if asked else None
         else:
             capture = self._capture(rows) if asked else None
-            hidden = self.model(ids[:, None], pos[:, None], slot_t, self.cache, capture)
+            hidden = self.model(v["ids"][:, None], v["positions"][:, None], v["slots"], self.cache, capture)
             logits = self.model.compute_logits(hidden[:, 0])
         if filtered or self.graphs is None:  # the graph's own sample is the unfiltered one
             tokens, logprobs = sample(logits, *params, filtered=filtered, fused=self.model.dense == "triton")

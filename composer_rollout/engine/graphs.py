@@ -27,24 +27,26 @@ import torch
 
 from composer_rollout.engine.capture import ExpertCapture
 from composer_rollout.engine.sampling import sample
+from composer_rollout.engine.step_io import StepInputs
 
 
 class DecodeGraphs:
-    """Captured decode steps for each batch size in `buckets`; `run` replays the one for the inputs' rows."""
+    """Captured decode steps for each batch size in `buckets`; `replay` runs the one for a row count on the inputs
+    already in `inputs` (a StepInputs the graphs read in place), `run` copies given inputs there first."""
 
-    def __init__(self, model, cache, buckets: list[int], warmup: int = 2):
+    def __init__(self, model, cache, buckets: list[int], inputs: StepInputs | None = None, warmup: int = 2):
         if model.device.type != "cuda":
             raise ValueError(f"engine.cuda_graphs needs a CUDA device; the model is on {model.device}")
         start = time.perf_counter()
         self.model, self.cache, self.pool = model, cache, torch.cuda.graph_pool_handle()
+        self.inputs = StepInputs(max(buckets), model.device) if inputs is None else inputs
+        if self.inputs.max_rows < max(buckets):
+            raise ValueError(f"inputs hold {self.inputs.max_rows} rows; the largest bucket is {max(buckets)}")
         self._graphs: dict[int, tuple] = {}
         a, dev = model.args, model.device
         for rows in sorted(buckets, reverse=True):
-            ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-            positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-            slots = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=dev)
-            sampling = (torch.zeros(rows, device=dev), torch.zeros(rows, dtype=torch.long, device=dev),
-                        torch.zeros(rows, dtype=torch.long, device=dev))  # temperature, seeds, steps
+            # Padding rows: greedy, on the scratch slot (the captured values; every replay's come from `inputs`).
+            views = self.inputs.load(rows, {"slots": [cache.scratch_slot] * rows})
             capture = ExpertCapture(a.num_hidden_layers, rows, a.num_experts_per_tok, a.num_experts, dev)
             # Warm-up outside the graph, on a side stream as torch requires: Triton compiles and autotunes, cuBLAS
             # makes its workspaces; none of that may happen during capture.
@@ -52,36 +54,45 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(warmup):
-                    self._forward(ids, positions, slots, sampling, capture)
+                    self._forward(views, capture)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self._forward(ids, positions, slots, sampling, capture)
-            self._graphs[rows] = (graph, (ids, positions, slots, *sampling), outputs, capture)
+                outputs = self._forward(views, capture)
+            self._graphs[rows] = (graph, outputs, capture)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - start
 
-    def _forward(self, ids, positions, slots, sampling, capture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = self.model(ids, positions, slots, self.cache, capture)
+    def _forward(self, v: dict[str, torch.Tensor], capture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.model(v["ids"][:, None], v["positions"][:, None], v["slots"], self.cache, capture)
         logits = self.model.compute_logits(hidden[:, 0])
-        temperature, seeds, steps = sampling
-        return logits, *sample(logits, temperature, None, None, seeds, steps, filtered=False,
+        return logits, *sample(logits, v["temperature"], None, None, v["seeds"], v["steps"], filtered=False,
                                fused=self.model.dense == "triton")
 
     @property
     def buckets(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, temperature: torch.Tensor,
-            seeds: torch.Tensor, steps: torch.Tensor):
-        """ids, positions [rows, 1], slots, temperature, seeds, steps [rows] for a captured bucket size ->
-        (logits [rows, V] fp32, tokens [rows] int64 and logprobs [rows] fp32 sampled without top-k / top-p, the
-        ExpertCapture of the step). All are the graph's own buffers: read them before the next replay."""
-        rows = ids.shape[0]
+    def _graph(self, rows: int) -> tuple:
         if rows not in self._graphs:
             raise ValueError(f"no decode graph for {rows} rows; captured: {self.buckets}")
-        graph, inputs, (logits, tokens, logprobs), capture = self._graphs[rows]
-        for dst, src in zip(inputs, (ids, positions, slots, temperature, seeds, steps), strict=True):
-            dst.copy_(src)
+        return self._graphs[rows]
+
+    def replay(self, rows: int):
+        """The step of a captured bucket size on the inputs in `self.inputs.views(rows)` -> (logits [rows, V] fp32,
+        tokens [rows] int64 and logprobs [rows] fp32 sampled without top-k / top-p, the ExpertCapture of the step).
+        All are the graph's own buffers: read them before the next replay."""
+        graph, (logits, tokens, logprobs), capture = self._graph(rows)
         graph.replay()
         return logits, tokens, logprobs, capture
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, temperature: torch.Tensor,
+            seeds: torch.Tensor, steps: torch.Tensor):
+        """`replay` on these inputs (ids, positions [rows, 1]; slots, temperature, seeds, steps [rows], on the
+        device), copied into the graphs' input buffers first: for callers that hold their own tensors."""
+        self._graph(ids.shape[0])
+        views = self.inputs.views(ids.shape[0])
+        for name, src in (("ids", ids[:, 0]), ("positions", positions[:, 0]), ("slots", slots),
+                          ("temperature", temperature), ("seeds", seeds), ("steps", steps)):
+            views[name].copy_(src)
+        return self.replay(ids.shape[0])

@@ -128,23 +128,3 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
     return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
 
-
-class HostReadout:
-    """A step's sampled tokens and logprobs to the host in one synchronisation: both copied into pinned buffers
-    without blocking, then one wait (two .tolist() calls would wait twice). Grows to the largest step it reads."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.rows = torch.device(device), 0
-
-    def read(self, tokens: torch.Tensor, logprobs: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
-        """The first n tokens and logprobs as lists."""
-        if self.device.type != "cuda":
-            return tokens[:n].tolist(), logprobs[:n].tolist()
-        if n > self.rows:
-            self.rows = max(n, 2 * self.rows)
-            self._tokens = torch.empty(self.rows, dtype=torch.int64, pin_memory=True)
-            self._logprobs = torch.empty(self.rows, dtype=torch.float32, pin_memory=True)
-        self._tokens[:n].copy_(tokens[:n], non_blocking=True)
-        self._logprobs[:n].copy_(logprobs[:n], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return self._tokens[:n].tolist(), self._logprobs[:n].tolist()
