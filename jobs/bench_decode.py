@@ -36,8 +36,7 @@ import torch
 
 from composer_rollout.engine import RolloutEngine, SamplingParams
 from composer_rollout.engine.capture import ExpertCapture
-from composer_rollout.engine.graphs import DecodeGraphs
-from composer_rollout.engine.sampling import sample
+from composer_rollout.engine.graphs import DecodeGraphs, decode_step
 from composer_rollout.engine.step_io import HostReadout
 from composer_rollout.model import Qwen3MoE, preset
 from jobs.bench_moe import read_ceiling_tbs
@@ -86,10 +85,7 @@ class EagerSteps:
         a = self.model.args
         capture = ExpertCapture(a.num_hidden_layers, ids.shape[0], a.num_experts_per_tok, a.num_experts,
                                 self.model.device)
-        hidden = self.model(ids, positions, slots, self.cache, capture)
-        logits = self.model.compute_logits(hidden[:, 0])
-        return logits, *sample(logits, temperature, None, None, seeds, steps, filtered=False,
-                               fused=self.model.dense == "triton"), capture
+        return *decode_step(self.model, self.cache, ids, positions, slots, temperature, seeds, steps, capture), capture
 
 
 def time_step(steps, ids, positions, slots, params, reps) -> tuple[float, torch.Tensor]:

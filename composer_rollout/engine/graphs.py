@@ -30,6 +30,15 @@ from composer_rollout.engine.sampling import sample
 from composer_rollout.engine.step_io import StepInputs
 
 
+def decode_step(model, cache, ids, positions, slots, temperature, seeds, steps, capture=None):
+    """One decode step as the graphs capture it: the forward of ids, positions [rows, 1] on slots [rows], the FP32
+    logits, and the rows' tokens and logprobs sampled without top-k / top-p -> (logits, tokens, logprobs)."""
+    hidden = model(ids, positions, slots, cache, capture)
+    logits = model.compute_logits(hidden[:, 0])
+    return logits, *sample(logits, temperature, None, None, seeds, steps, filtered=False,
+                           fused=model.dense == "triton")
+
+
 class DecodeGraphs:
     """Captured decode steps for each batch size in `buckets`; `replay` runs the one for a row count on the inputs
     already in `inputs` (a StepInputs the graphs read in place), `run` copies given inputs there first."""
@@ -64,10 +73,8 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - start
 
     def _forward(self, v: dict[str, torch.Tensor], capture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = self.model(v["ids"][:, None], v["positions"][:, None], v["slots"], self.cache, capture)
-        logits = self.model.compute_logits(hidden[:, 0])
-        return logits, *sample(logits, v["temperature"], None, None, v["seeds"], v["steps"], filtered=False,
-                               fused=self.model.dense == "triton")
+        return decode_step(self.model, self.cache, v["ids"][:, None], v["positions"][:, None], v["slots"],
+                           v["temperature"], v["seeds"], v["steps"], capture)
 
     @property
     def buckets(self) -> list[int]:

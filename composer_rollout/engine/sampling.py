@@ -127,4 +127,3 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sampled = torch.argmax(filtered + gumbel_noise(seeds, steps, V), dim=-1)
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
     return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
-
