@@ -10,7 +10,8 @@ Forms, per T (Qwen3 router shapes: gate [E, H] BF16, FP32 logits):
 - fused: router_gate_topk alone (the kernel allows it; the model no longer runs it: every layer's router comes
   after the post-attention add + norm);
 - skinny+topk: skinny_linear's FP32 logits then router_topk (T <= 16: fused_linear's path there);
-- cublas+topk: torch.mm with an FP32 output then router_topk (fused_linear's path above 16 tokens);
+- gemm+topk: skinny_gemm's FP32 logits (tensor cores) then router_topk (fused_linear's path from 17 to 128 tokens);
+- cublas+topk: torch.mm with an FP32 output then router_topk (fused_linear's path above 128 tokens);
 the unfused forms with the norm run rmsnorm's add_norm first (+norm rows), so each fused form has a like-for-like
 unfused twin. Each timing: the median µs per call of CUDA-graph replays of one graph calling the form on C distinct
 gate copies (C * gate bytes > 100 MB: every call streams its gate from HBM), launch gaps included, as in a decode
@@ -33,6 +34,8 @@ from jobs.bench_moe import read_ceiling_tbs, time_graph
 from kernels.rmsnorm import rms_norm
 from kernels.router_gate_topk import MAX_T_NORM, router_gate_topk, router_gate_topk_reference
 from kernels.router_topk import router_topk
+from kernels.skinny_gemm import gemm_counter, skinny_gemm
+from kernels.skinny_gemm import max_tokens as gemm_max_tokens
 from kernels.skinny_linear import MAX_T, skinny_linear
 
 SHAPES = {"qwen3-30b-a3b": dict(E=128, H=2048, k=8), "qwen3-235b-a22b": dict(E=128, H=4096, k=8)}
@@ -40,22 +43,27 @@ L2_DEFEAT_BYTES = 100e6
 EPS = 1e-6
 
 
-def forms(T):
+def forms(T, E):
     """(name, uses the norm) of the forms that run at T."""
     out = [("fused+norm", True)] if T <= MAX_T_NORM else []
     out += [("fused", False), ("skinny+topk+norm", True), ("skinny+topk", False)] if T <= MAX_T else []
+    out += [("gemm+topk+norm", True), ("gemm+topk", False)] if T <= gemm_max_tokens(E) else []
     return out + [("cublas+topk+norm", True), ("cublas+topk", False)]
 
 
-def run_form(name, x, res, norm_w, gate, k, counter):
-    """(weights, ids) of one form on one gate copy."""
+def run_form(name, x, res, norm_w, gate, k, counter, gemm_count):
+    """(weights, ids) of one form on one gate copy (counter: the fused router's, gemm_count: skinny_gemm's)."""
     add_norm = (res, norm_w, EPS) if name.endswith("+norm") else None
     if name.startswith("fused"):
         return router_gate_topk(x, gate, k, True, counter, add_norm=add_norm)[:2]
     if add_norm is not None:
         x, _ = rms_norm(x, norm_w, EPS, res)
-    logits = (skinny_linear(x, gate, out_dtype=torch.float32) if name.startswith("skinny")
-              else torch.mm(x, gate.t(), out_dtype=torch.float32))
+    if name.startswith("skinny"):
+        logits = skinny_linear(x, gate, out_dtype=torch.float32)
+    elif name.startswith("gemm"):
+        logits = skinny_gemm(x, gate, out_dtype=torch.float32, counter=gemm_count)
+    else:
+        logits = torch.mm(x, gate.t(), out_dtype=torch.float32)
     return router_topk(logits, k, True)
 
 
@@ -63,6 +71,7 @@ def bench_shape(model, E, H, k, tokens, reps, ceiling, gen):
     copies = max(8, math.ceil(L2_DEFEAT_BYTES / (E * H * 2)))
     gates = [torch.randn(E, H, device="cuda", generator=gen).mul_(H**-0.5).bfloat16() for _ in range(copies)]
     counters = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(copies)]
+    gemm_count = gemm_counter(E, "cuda")  # left zeroed by every launch: one serves all copies
     norm_w = (1 + 0.1 * torch.randn(H, device="cuda", generator=gen)).bfloat16()
     rows = []
     for T in tokens:
@@ -71,15 +80,15 @@ def bench_shape(model, E, H, k, tokens, reps, ceiling, gen):
         ref_w, ref_ids = router_gate_topk_reference(x.bfloat16(), gates[0], k, True)[:2]
         ref_nw, ref_nids = router_gate_topk_reference(x, gates[0], k, True, add_norm=(res, norm_w, EPS))[:2]
         nbytes = E * H * 2 + T * H * 2
-        for name, norm in forms(T):
+        for name, norm in forms(T, E):
             xin = x if norm else x.bfloat16()
-            w, ids = run_form(name, xin, res, norm_w, gates[0], k, counters[0])
+            w, ids = run_form(name, xin, res, norm_w, gates[0], k, counters[0], gemm_count)
             want_w, want_ids = (ref_nw, ref_nids) if norm else (ref_w, ref_ids)
             # Rounding-order differences (e.g. the normed row's BF16 rounding) may swap two experts at a near tie:
             # then the ids differ but the sorted weights do not.
             same_w = torch.allclose(w.sort(-1).values, want_w.sort(-1).values, atol=1e-5, rtol=0)
             ok = "matches" if torch.equal(ids, want_ids) and same_w else "near-tie swap" if same_w else "DIFFERS"
-            us = time_graph(lambda name=name, xin=xin, res=res: [run_form(name, xin, res, norm_w, g, k, c)
+            us = time_graph(lambda name=name, xin=xin, res=res: [run_form(name, xin, res, norm_w, g, k, c, gemm_count)
                                                                  for g, c in zip(gates, counters, strict=True)],
                             reps) / copies
             bound = (nbytes + (T * H * 4 if norm else 0)) / ceiling / 1e6

@@ -1,17 +1,19 @@
-"""The skinny linear (kernels/skinny_linear.py) against cuBLAS (F.linear) at Qwen3's decode projections on the GPU.
+"""The decode projections' launches against cuBLAS at Qwen3's shapes on the GPU: kernels/skinny_linear.py (CUDA-core
+FMAs, T <= 16), kernels/skinny_gemm.py (tensor cores, T <= 128) and what the model runs above them (cuBLAS: an
+FP32 output through torch.mm's FP32 accumulator, a BF16 one through F.linear).
 
-Shapes (weight N x K): per model the fused qkv projection, o_proj and the router gate (FP32 out); T = 1..16 tokens.
-Each timing is the median µs per call of CUDA-graph replays of one graph that calls the op on C distinct weight
-copies in turn (C >= 8 and C * weight bytes > 100 MB, so the 60 MB L2 cannot serve them: every call streams its
-weight from HBM), launch gaps included, as in a decode step's graph. Bound: weight + x + out bytes over the
-streaming-read ceiling measured in the same run (jobs/bench_moe.read_ceiling_tbs). Error: max |out - ref| / max
-|ref| on copy 0, ref = skinny_linear_reference in FP32. F.linear's output is BF16 everywhere (the gate's too: what
-the model runs today), so its error is BF16 rounding.
---sweep also times a few alternative Configs per shape and T (block_n and num_warps halved and doubled, early
-loads off) and reports the fastest. --ptxas needs no GPU: it compiles the launcher's configs for sm_90a and prints
-ptxas registers and spills, the 16-byte global loads, and how many loads precede the first FMA.
+Shapes (weight N x K): per model the fused qkv projection (BF16 out), o_proj and the router gate (FP32 out, as the
+model runs them); T = 1..128 tokens. Each timing is the median µs per call of CUDA-graph replays of one graph that
+calls the op on C distinct weight copies in turn (C >= 8 and C * weight bytes > 100 MB, so the 60 MB L2 cannot
+serve them: every call streams its weight from HBM), launch gaps included, as in a decode step's graph. Bound:
+weight + x + out bytes over the streaming-read ceiling measured in the same run (jobs/bench_moe.read_ceiling_tbs).
+Error: max |out - ref| / max |ref| on copy 0, ref = skinny_linear_reference in FP32.
+--sweep also times alternative configs per shape and T (skinny_linear: block_n and num_warps halved and doubled,
+early loads off; skinny_gemm: a block_n x block_k x split grid) and reports the fastest. --ptxas needs no GPU: it
+compiles skinny_linear's configs for sm_90a and prints ptxas registers and spills, the 16-byte global loads, and
+how many loads precede the first FMA.
 
-Usage: PYTHONPATH=. python3 jobs/bench_skinny_linear.py --out DIR [--sweep] [--tokens 1,2,4,8,16]
+Usage: PYTHONPATH=. python3 jobs/bench_skinny_linear.py --out DIR [--sweep] [--tokens 1,2,4,8,16,32,64,128]
 (prints a table, writes DIR/bench_skinny_linear.json and .png, ends with one JSON line)
 """
 
@@ -29,7 +31,12 @@ import torch.nn.functional as F
 import triton
 
 from jobs.bench_moe import read_ceiling_tbs, time_graph
+from kernels.skinny_gemm import MAX_T as GEMM_MAX_T
+from kernels.skinny_gemm import Config as GemmConfig
+from kernels.skinny_gemm import _config as gemm_config
+from kernels.skinny_gemm import gemm_counter, skinny_gemm
 from kernels.skinny_linear import (
+    MAX_T,
     _config,
     _skinny_linear_kernel,
     kernel_constexprs,
@@ -38,9 +45,9 @@ from kernels.skinny_linear import (
 )
 
 SHAPES = {
-    "qwen3-30b-a3b": {"qkv": (5120, 2048, torch.bfloat16), "o_proj": (2048, 4096, torch.bfloat16),
+    "qwen3-30b-a3b": {"qkv": (5120, 2048, torch.bfloat16), "o_proj": (2048, 4096, torch.float32),
                       "gate": (128, 2048, torch.float32)},
-    "qwen3-235b-a22b": {"qkv": (9216, 4096, torch.bfloat16), "o_proj": (4096, 8192, torch.bfloat16),
+    "qwen3-235b-a22b": {"qkv": (9216, 4096, torch.bfloat16), "o_proj": (4096, 8192, torch.float32),
                         "gate": (128, 4096, torch.float32)},
 }
 TARGET_US = {"qkv": 6.5, "o_proj": 5.5, "gate": 2.5}  # the 30B goals at T = 1..8
@@ -55,6 +62,16 @@ def variants(T, N, K):
     return [base, *alt, base._replace(early_loads=False)]
 
 
+def gemm_variants(T, N, K):
+    """skinny_gemm's launch first, then a grid of block_n x block_k x split (4 warps, 4 stages; stages 3 and 8
+    warps at the launch's own tile)."""
+    base = gemm_config(T, N, K, True)
+    grid = [GemmConfig(bn, bk, sp) for bn in (16, 32, 64) for bk in (128, 256) for sp in (1, 2, 4)
+            if K // bk >= sp]
+    extra = [base._replace(stages=3), base._replace(num_warps=8)]
+    return [base, *(c for c in grid + extra if c != base)]
+
+
 def per_call_us(fn, ws, reps):
     """µs per call of one CUDA graph calling fn on every weight copy in turn."""
     return time_graph(lambda: [fn(w) for w in ws], reps) / len(ws)
@@ -64,42 +81,72 @@ def max_rel(out, ref):
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
+def cublas(x, w, out_dtype):
+    """What the model runs above the Triton launches' token limits (layers.fused_linear): an FP32 output is
+    cuBLAS's FP32 accumulator (BF16 x BF16 -> FP32), a BF16 one F.linear."""
+    return torch.mm(x, w.t(), out_dtype=torch.float32) if out_dtype == torch.float32 else F.linear(x, w)
+
+
+def timed_configs(fn_of_config, configs, ws, reps, what):
+    timed = []
+    for cfg in configs:
+        try:
+            fn = fn_of_config(cfg)
+            timed.append((per_call_us(fn, ws, reps), cfg))
+        except Exception as exc:  # a failing variant is reported, the rest still run
+            print(f"FAILED {what} {cfg}: {exc!r}", flush=True)
+    return timed
+
+
 def bench_shape(model, proj, N, K, out_dtype, tokens, reps, ceiling, sweep, gen):
     copies = max(8, math.ceil(L2_DEFEAT_BYTES / (N * K * 2)))
     ws = [torch.randn(N, K, device="cuda", generator=gen).mul_(K**-0.5).bfloat16() for _ in range(copies)]
+    counter = gemm_counter(N, "cuda")
     rows = []
     for T in tokens:
         x = torch.randn(T, K, device="cuda", generator=gen).bfloat16()
         out = torch.empty(T, N, device="cuda", dtype=out_dtype)
         ref = skinny_linear_reference(x, ws[0], torch.float32)
-        timed = []
-        for cfg in variants(T, N, K) if sweep else [_config(T, N, K)]:
-            try:
-                fn = partial(skinny_linear, out_dtype=out_dtype, out=out, config=cfg)
-                us = per_call_us(lambda w, fn=fn, x=x: fn(x, w), ws, reps)
-            except Exception as exc:  # a failing variant is reported, the rest still run
-                print(f"FAILED {model} {proj} T={T} {cfg}: {exc!r}", flush=True)
-                continue
-            timed.append((us, cfg))
-        us, cfg = timed[0]
-        err = max_rel(skinny_linear(x, ws[0], out_dtype=out_dtype), ref)
-        cublas_us = per_call_us(partial(F.linear, x), ws, reps)
-        cublas_err = max_rel(F.linear(x, ws[0]), ref)
-        nbytes = N * K * 2 + T * K * 2 + T * N * out.element_size()
-        bound_us = nbytes / ceiling / 1e6
-        best_us, best = min(timed, key=lambda p: p[0])
-        rows.append(dict(model=model, proj=proj, N=N, K=K, T=T, out=str(out_dtype).removeprefix("torch."),
-                         copies=copies, us=round(us, 2), cublas_us=round(cublas_us, 2), bound_us=round(bound_us, 2),
-                         frac=round(bound_us / us, 3), cublas_frac=round(bound_us / cublas_us, 3),
-                         speedup=round(cublas_us / us, 3), err=float(f"{err:.3g}"),
-                         cublas_err=float(f"{cublas_err:.3g}"), config=list(cfg), best_us=round(best_us, 2),
-                         best_config=list(best)))
-        r = rows[-1]
-        print(f"{model:16s} {proj:7s} {N:5d}x{K:<5d} T={T:<3d} {us:7.2f} µs  cuBLAS {cublas_us:7.2f} µs  "
-              f"bound {bound_us:6.2f} µs ({100 * r['frac']:5.1f}% vs {100 * r['cublas_frac']:5.1f}%)  "
-              f"x{r['speedup']:.2f}  err {err:.1e} (cuBLAS {cublas_err:.1e})  {tuple(cfg)}"
-              + (f"  best {best_us:.2f} µs {tuple(best)}" if sweep else ""), flush=True)
+        what = f"{model} {proj} T={T}"
+        row = dict(model=model, proj=proj, N=N, K=K, T=T, out=str(out_dtype).removeprefix("torch."), copies=copies)
+        if T <= MAX_T:
+            timed = timed_configs(lambda c, x=x, out=out: partial(_skinny, x, out_dtype, out, c),
+                                  variants(T, N, K) if sweep else [_config(T, N, K)], ws, reps, what)
+            best_us, best = min(timed, key=lambda p: p[0])
+            err = max_rel(skinny_linear(x, ws[0], out_dtype=out_dtype), ref)
+            row.update(us=round(timed[0][0], 2), config=list(timed[0][1]), best_us=round(best_us, 2),
+                       best_config=list(best), err=float(f"{err:.3g}"))
+        if T <= GEMM_MAX_T:
+            timed = timed_configs(lambda c, x=x, out=out: partial(_gemm, x, out_dtype, out, counter, c),
+                                  gemm_variants(T, N, K) if sweep else [gemm_config(T, N, K, True)], ws, reps, what)
+            best_us, best = min(timed, key=lambda p: p[0])
+            err = max_rel(skinny_gemm(x, ws[0], out_dtype=out_dtype, counter=counter), ref)
+            row.update(gemm_us=round(timed[0][0], 2), gemm_config=list(timed[0][1]), gemm_best_us=round(best_us, 2),
+                       gemm_best_config=list(best), gemm_err=float(f"{err:.3g}"))
+        row["cublas_us"] = round(per_call_us(partial(cublas, x, out_dtype=out_dtype), ws, reps), 2)
+        row["cublas_err"] = float(f"{max_rel(cublas(x, ws[0], out_dtype), ref):.3g}")
+        row["bound_us"] = round((N * K * 2 + T * K * 2 + T * N * out.element_size()) / ceiling / 1e6, 2)
+        launches = {k: row[k] for k in ("us", "gemm_us", "cublas_us") if k in row}
+        row["fastest"] = min(launches, key=launches.get)
+        rows.append(row)
+        print(f"{model:16s} {proj:7s} {N:5d}x{K:<5d} T={T:<3d} bound {row['bound_us']:6.2f} µs  "
+              + "  ".join(f"{k.removesuffix('_us') or 'skinny'} {v:7.2f} ({100 * row['bound_us'] / v:5.1f}%)"
+                          for k, v in launches.items())
+              + (f"  best skinny {row['best_us']:.2f} {tuple(row['best_config'])}" if sweep and "us" in row else "")
+              + (f"  best gemm {row['gemm_best_us']:.2f} {tuple(row['gemm_best_config'])}"
+                 if sweep and "gemm_us" in row else ""), flush=True)
     return rows
+
+
+def _skinny(x, out_dtype, out, cfg, w):
+    return skinny_linear(x, w, out_dtype=out_dtype, out=out, config=cfg)
+
+
+def _gemm(x, out_dtype, out, counter, cfg, w):
+    return skinny_gemm(x, w, out_dtype=out_dtype, out=out, counter=counter, config=cfg)
+
+
+LAUNCHES = (("us", "skinny_linear", "o-"), ("gemm_us", "skinny_gemm", "^-"), ("cublas_us", "cuBLAS", "s--"))
 
 
 def plot(rows, out_dir):
@@ -112,15 +159,13 @@ def plot(rows, out_dir):
     fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 9), squeeze=False)
     for col, model in enumerate(models):
         for i, proj in enumerate(SHAPES[model]):
-            pts = sorted((r["T"], r["us"], r["cublas_us"], r["frac"], r["cublas_frac"]) for r in rows
-                         if r["model"] == model and r["proj"] == proj)
-            if not pts:
-                continue
-            ts, color = [p[0] for p in pts], f"C{i}"
-            axes[0][col].plot(ts, [p[1] for p in pts], "o-", color=color, label=f"{proj} skinny_linear")
-            axes[0][col].plot(ts, [p[2] for p in pts], "s--", color=color, label=f"{proj} F.linear")
-            axes[1][col].plot(ts, [100 * p[3] for p in pts], "o-", color=color, label=f"{proj} skinny_linear")
-            axes[1][col].plot(ts, [100 * p[4] for p in pts], "s--", color=color, label=f"{proj} F.linear")
+            mine = sorted((r for r in rows if r["model"] == model and r["proj"] == proj), key=lambda r: r["T"])
+            for key, label, style in LAUNCHES:
+                pts = [(r["T"], r[key], 100 * r["bound_us"] / r[key]) for r in mine if key in r]
+                if pts:
+                    ts = [p[0] for p in pts]
+                    axes[0][col].plot(ts, [p[1] for p in pts], style, color=f"C{i}", label=f"{proj} {label}")
+                    axes[1][col].plot(ts, [p[2] for p in pts], style, color=f"C{i}", label=f"{proj} {label}")
         axes[0][col].set(title=f"{model}: µs per call", xlabel="T", ylim=(0, None))
         axes[1][col].set(title="% of the read bound", xlabel="T", ylim=(0, 100))
         for ax in axes[:, col]:
@@ -132,12 +177,14 @@ def plot(rows, out_dir):
 
 def summary(rows, ceiling):
     key = [(f"{r['model']}/{r['proj']}/T{r['T']}", r) for r in rows]
-    met = {f"{r['proj']}/T{r['T']}": r["us"] <= TARGET_US[r["proj"]] for r in rows
-           if r["model"] == "qwen3-30b-a3b" and r["T"] <= 8}
-    return dict(bench="skinny_linear", ceiling_tbs=round(ceiling, 3), us={k: r["us"] for k, r in key},
-                cublas_us={k: r["cublas_us"] for k, r in key}, frac={k: r["frac"] for k, r in key},
-                speedup={k: r["speedup"] for k, r in key}, targets_met=met,
-                max_rel_err={d: max(r["err"] for r in rows if r["out"] == d) for d in {r["out"] for r in rows}})
+    met = {f"{r['proj']}/T{r['T']}": min(r.get("us", 1e9), r.get("gemm_us", 1e9)) <= TARGET_US[r["proj"]]
+           for r in rows if r["model"] == "qwen3-30b-a3b" and r["T"] <= 8}
+    errs = [(r["out"], e) for r in rows for e in (r.get("err"), r.get("gemm_err")) if e is not None]
+    return dict(bench="skinny_linear", ceiling_tbs=round(ceiling, 3),
+                **{name: {k: r[field] for k, r in key if field in r}
+                   for field, name in (("us", "us"), ("gemm_us", "gemm_us"), ("gemm_best_us", "gemm_best_us"),
+                                       ("cublas_us", "cublas_us"), ("bound_us", "bound_us"), ("fastest", "fastest"))},
+                targets_met=met, max_rel_err={d: max(e for o, e in errs if o == d) for d in {o for o, _ in errs}})
 
 
 def ptxas_report(models, tokens):
@@ -181,7 +228,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--models", default=",".join(SHAPES))
-    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--ptxas", action="store_true", help="offline compile report (no GPU), then exit")

@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee "
 timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS--m gpu} tests/test_skinny_linear.py \
   tests/test_decode_attention.py tests/test_rmsnorm.py tests/test_qk_norm_rope.py tests/test_router_topk.py \
   tests/test_lm_head.py tests/test_dense_paths.py tests/test_chunked_prefill.py tests/test_prefill_attention.py \
-  tests/test_router_gate_topk.py tests/test_gumbel_sample.py 2>&1 | tee "$out/gpu_tests.log" | tail -30
+  tests/test_router_gate_topk.py tests/test_gumbel_sample.py tests/test_skinny_gemm.py 2>&1 | tee "$out/gpu_tests.log" | tail -30
 timeout "${SKINNY_S:-50}" python3 jobs/bench_skinny_linear.py --out "$out" ${BENCH_SKINNY_ARGS:-} 2>&1 \
   | tee "$out/bench_skinny_linear.log"
 timeout "${ROUTER_S:-30}" python3 jobs/bench_router.py --out "$out" ${BENCH_ROUTER_ARGS:---models qwen3-30b-a3b} 2>&1 \

@@ -18,7 +18,9 @@ shuffle tree per (token, row) and a cross-warp step through shared memory. Warps
 the x values a thread converts serve all of its BLOCK_N rows (x's widening costs 1 / BLOCK_N of the FMAs), at the
 price of that final reduction (~10 instructions per (token, row) per thread against K / (32 * num_warps) FMAs).
 _config balances the two at 32 weights per row per thread (num_warps = K / 1024) and 4 rows (2 at T > 8, where
-the [BT, BLOCK_N] accumulators would exhaust registers): 128 weights, 64 registers of loads in flight per thread.
+the [BT, BLOCK_N] accumulators would exhaust registers): 128 weights, 64 registers of loads in flight per thread;
+a router gate's one-row programs take twice the warps from T = 4 (H100, gate 128 x 2048: T = 8 2.99 -> 2.23 µs,
+T = 16 5.31 -> 2.82).
 BLOCK_K = K up to 8192 (padded to a power of two): a program loads its whole slab at once, so no load waits on
 earlier FMAs; a larger K is a static loop of such chunks. ptxas would still interleave the loads with the FMAs to
 save registers (measured in the SASS: 6 of 20 loads issued before the first FMA at qkv T = 1, then one more round
@@ -66,11 +68,12 @@ class Config(NamedTuple):
 
 
 def max_tokens(N: int) -> int:
-    """The most tokens at which skinny_linear beat cuBLAS on the H200 (jobs/bench_skinny_linear.py, docs/perf.md):
-    MAX_T for a router gate (N <= 512, where cuBLAS runs ~2 CTAs: 3.2x at T = 1, 1.04-1.11x at 16), 2 for the
-    attention projections (1.15-1.53x at T = 1, 0.94-1.34x at 2, 0.6-0.9x at 4-8: CUDA-core FMAs lose to cuBLAS's
-    tensor cores as T grows)."""
-    return MAX_T if N <= 512 else 2
+    """The most tokens at which the model runs skinny_linear (layers.fused_linear; above, kernels/skinny_gemm.py):
+    8 for a router gate (N <= 512; on the H200 it beat cuBLAS, which runs ~2 CTAs there, 3.2x at T = 1; on the
+    H100 jobs/bench_router.py's gate + top-k with the norm took 9.27 µs at T = 16 through skinny_linear against
+    7.78 through skinny_gemm), 2 for the attention projections (H200: 1.15-1.53x over cuBLAS at T = 1, 0.94-1.34x
+    at 2, 0.6-0.9x at 4-8: CUDA-core FMAs lose to tensor cores as T grows)."""
+    return 8 if N <= 512 else 2
 
 
 def _config(T: int, N: int, K: int, norm: bool = False) -> Config:
@@ -82,6 +85,8 @@ def _config(T: int, N: int, K: int, norm: bool = False) -> Config:
     while block_n > 1 and triton.cdiv(N, block_n) < _MIN_PROGRAMS:
         block_n //= 2
     warps = max(1, min(8, block_k // 1024))
+    if block_n == 1 and T >= 4:  # a router gate's one-row programs: more warps for the T products per weight
+        warps = min(16, 2 * warps)
     if norm:
         warps = max(warps, min(16, warps * triton.next_power_of_2(T), block_k // 256))
     return Config(block_n, block_k, warps)
@@ -132,6 +137,8 @@ def skinny_rows(x_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, T, N, st
     x_rows = x_ptr + tl.minimum(t, T - 1).to(tl.int64)[:, None, None] * stride_x
     k = tl.arange(0, BLOCK_K)[None, None, :]
     acc = tl.zeros([BT, BLOCK_N], dtype=tl.float32)
+    if PDL:  # the next launch's CTAs may start (and stream their own weights) while this one runs
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in tl.static_range(0, K, BLOCK_K):
         # Weights are never written by the kernel before this one: under PDL (mx_tiles.pdl_launch) they stream
         # while it drains, and only x waits for it.
@@ -213,7 +220,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dty
     bf16 contiguous, K a multiple of 8. Writes and returns `out` [T, N] (allocated when None; it must not overlap
     x or weight). `config` overrides _config's choice (benchmarks and tests)."""
     T, K, N = check_skinny(x, weight)
-    out = _out(out, (T, N), out_dtype, x, weight)
+    out = make_out(out, (T, N), out_dtype, x, weight)
     if T and N:
         _launch(x, weight, out, config, x, x, x, x, 0.0, norm=False)
     return out
@@ -228,24 +235,25 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
     residual [T, K] fp32 contiguous; K <= the largest one-chunk BLOCK_K (8192)."""
     T, K, N = check_skinny(x, weight)
     check_add_norm(x, residual, norm_weight, eps)
-    out = _out(None, (T, N), out_dtype, x, weight)
+    out = make_out(None, (T, N), out_dtype, x, weight)
     normed, summed = torch.empty(T, K, dtype=torch.bfloat16, device=x.device), torch.empty_like(residual)
     if T and N:
         _launch(x, weight, out, config, residual, norm_weight, summed, normed, eps, norm=True)
     return out, normed, summed
 
 
-def check_skinny(x: torch.Tensor, weight: torch.Tensor, x_name: str = "x",
-                 w_name: str = "weight") -> tuple[int, int, int]:
-    """(T, K, N) of a skinny product, or an error naming the argument (as the caller calls it)."""
+def check_skinny(x: torch.Tensor, weight: torch.Tensor, x_name: str = "x", w_name: str = "weight",
+                 limit: int = MAX_T) -> tuple[int, int, int]:
+    """(T, K, N) of a skinny product with at most `limit` rows, or an error naming the argument (as the caller
+    calls it)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"{x_name} must be a bfloat16 or float32 tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2:
         raise ValueError(f"{x_name} must be a 2-D tensor [T, K], got shape {tuple(x.shape)}")
     T, K = x.shape
-    if T > MAX_T:
-        raise ValueError(f"{x_name} has T = {T} tokens, more than MAX_T = {MAX_T}: use F.linear")
+    if T > limit:
+        raise ValueError(f"{x_name} has T = {T} tokens, more than the kernel's {limit}: use F.linear")
     if K == 0 or K % 8:
         raise ValueError(f"{x_name}: K = {K} must be a positive multiple of 8 (16-byte weight rows)")
     if x.stride(1) != 1:
@@ -269,7 +277,7 @@ def check_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
         raise ValueError(f"norm_weight: K = {K} is over {_MAX_BLOCK_K}: the norm needs the whole row in one chunk")
 
 
-def _out(out, shape, dtype, x, weight) -> torch.Tensor:
+def make_out(out, shape, dtype, x, weight) -> torch.Tensor:
     if dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     out = torch.empty(shape, dtype=dtype, device=x.device) if out is None else out

@@ -72,9 +72,10 @@ def test_packed_prompts_equal_one_forward_each(dense):
 @pytest.mark.parametrize("batch", [1, 2, 5, 12, 17])
 def test_fused_add_norms_at_every_decode_batch(batch):
     """The triton backend runs each layer's add + RMSNorm inside the launch after it where the batch allows (the
-    qkv projection's while it takes skinny_linear, from layer 1 on: up to 16 tokens at the tiny preset's 256 rows,
+    qkv projection's while it takes skinny_linear, from layer 1 on: up to 8 tokens at the tiny preset's 256 rows,
     2 at the 30B's; the router's, with its gate and top-k, up to moe.FUSED_ROUTER_MAX_T = 2; a separate rms_norm
-    above): a decode step at batches on each side of those limits, 3 layers, against the FP32 twin of the same
+    above, where the projections take skinny_gemm): a decode step at batches on each side of those limits, 3
+    layers, against the FP32 twin of the same
     weights (jobs/bench_decode.fp32_twin) and the torch backend's BF16 numerics. A residual dropped or added twice
     moves the hidden states by O(1); the triton backend (FP32 stream, router logits and o_proj output) must also sit
     closer to FP32 than Hugging Face's numerics on average. (A token whose near-tied experts swap moves further: the

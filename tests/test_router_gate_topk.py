@@ -165,7 +165,7 @@ _BAD = {
     "hidden H": (dict(hidden=torch.zeros(4, 20, dtype=torch.bfloat16, device=DEVICE)), ValueError,
                  "hidden: K = 20 must be a positive multiple of 8"),
     "hidden T": (dict(hidden=torch.zeros(17, 32, dtype=torch.bfloat16, device=DEVICE)), ValueError,
-                 "hidden has T = 17 tokens, more than MAX_T = 16"),
+                 "hidden has T = 17 tokens, more than the kernel's 16"),
     "hidden strided": (dict(hidden=torch.zeros(32, 4, dtype=torch.bfloat16, device=DEVICE).t()), ValueError,
                        "hidden must have contiguous rows"),
     "gate_weight dtype": (dict(gate_weight=_W.half()), TypeError, "gate_weight must be a torch.bfloat16"),

@@ -132,6 +132,7 @@ def test_config_at_qwen3_shapes():
     assert _config(8, 2048, 4096) == Config(4, 4096, 4)  # o_proj: 512
     assert _config(16, 2048, 4096) == Config(2, 4096, 4)  # T > 8: fewer accumulator registers
     assert _config(1, 128, 2048) == Config(1, 2048, 2)  # gate: 128, one row each
+    assert _config(8, 128, 2048) == Config(1, 2048, 4)  # from T = 4 twice the warps
     assert _config(1, 4096, 8192) == Config(4, 8192, 8)  # 235B o_proj
     assert _config(1, 64, 16384) == Config(1, 8192, 8)  # two chunks
 
@@ -205,7 +206,7 @@ _W = torch.ones(37, 48, dtype=torch.bfloat16, device=DEVICE)
 _BAD = [
     (TypeError, "x must be a bfloat16 or float32 tensor", lambda: skinny_linear(_X.half(), _W)),
     (ValueError, "x must be a 2-D tensor", lambda: skinny_linear(_X[0], _W)),
-    (ValueError, f"more than MAX_T = {MAX_T}", lambda: skinny_linear(_X[:1].expand(MAX_T + 1, 48), _W)),
+    (ValueError, f"more than the kernel's {MAX_T}", lambda: skinny_linear(_X[:1].expand(MAX_T + 1, 48), _W)),
     (ValueError, "multiple of 8", lambda: skinny_linear(_X[:, :12], _W[:, :12].contiguous())),
     (ValueError, "x must have contiguous rows", lambda: skinny_linear(_X.T.contiguous().T, _W)),
     (TypeError, "weight must be a torch.bfloat16", lambda: skinny_linear(_X, _W.half())),

@@ -38,6 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm, skinny_linear
 from kernels.decode_attention import NewKV, new_kv_pays
+from kernels.skinny_gemm import gemm_counter, skinny_gemm
+from kernels.skinny_gemm import max_tokens as gemm_max_tokens
 from kernels.skinny_linear import add_norm_linear
 from kernels.skinny_linear import max_tokens as skinny_max_tokens
 
@@ -153,6 +155,9 @@ class Attention(nn.Module):
         self.o_proj = linear(hidden_size, num_heads * head_dim)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)
         self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+        # skinny_gemm's split-K arrival counters, shared by qkv and o_proj (launched one after the other).
+        self.register_buffer("gemm_counter", gemm_counter(max(q_rows + 2 * kv_rows, hidden_size), device),
+                             persistent=False)
 
     def forward(self, x, positions, slots, layer: int, cache: KVCache, inv_freq, packed: Packed | None = None):
         """x [B, S, H], positions [B, S], slots [B] -> [B, S, H]; writes this layer's cache rows. With `packed`, x is
@@ -184,7 +189,8 @@ class Attention(nn.Module):
 
     def _fused(self, x, positions, slots, layer, cache, inv_freq, packed=None):
         # The launchers refuse what they cannot run (FP32 activations, CPU tensors outside Triton's interpreter).
-        return self._attend(fused_linear(x, self.qkv_weight), positions, slots, layer, cache, inv_freq, packed)
+        qkv = fused_linear(x, self.qkv_weight, counter=self.gemm_counter)
+        return self._attend(qkv, positions, slots, layer, cache, inv_freq, packed)
 
     def add_norm_forward(self, x, residual, norm: "RMSNorm", positions, slots, layer, cache, inv_freq,
                          packed: Packed | None = None):
@@ -214,7 +220,8 @@ class Attention(nn.Module):
                              k_cache, v_cache)
             out = prefill_attention(q.view(1, T, Hq, -1), k_cache, v_cache, slots, positions,
                                     packed=(packed.seq_starts, packed.longest))
-            return fused_linear(out.view(1, T, Hq * self.head_dim), self.o_proj.weight, torch.float32)
+            return fused_linear(out.view(1, T, Hq * self.head_dim), self.o_proj.weight, torch.float32,
+                                self.gemm_counter)
         # A decode step's attention kernel can normalise, rotate and cache q and k itself (one launch fewer) where
         # that pays for the batch's grid.
         if S == 1 and new_kv_pays(B, self.num_kv_heads, k_cache.shape[1]):
@@ -224,18 +231,24 @@ class Attention(nn.Module):
             q = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq, positions,
                              slots, k_cache, v_cache)
             out = (decode_attention if S == 1 else prefill_attention)(q, k_cache, v_cache, slots, positions)
-        return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight, torch.float32)
+        return fused_linear(out.view(B, S, self.num_heads * self.head_dim), self.o_proj.weight, torch.float32,
+                            self.gemm_counter)
 
 
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                 counter: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight^T on the Triton dense path. A decode step's few tokens (up to
     kernels.skinny_linear.max_tokens: 2 for the attention projections, 16 for the router gate) take skinny_linear,
-    one launch that beat cuBLAS there on the H200 (cuBLAS: two launches for o_proj, ~2 CTAs for the gate). More
-    tokens take cuBLAS; out_dtype=float32 (the router's logits, o_proj's output) is its FP32 accumulator (the
-    BF16 x BF16 -> FP32 GEMM; on the CPU, which lacks it, FP32 copies multiplied: the same values)."""
+    one launch of CUDA-core FMAs that beat cuBLAS there on the H200 (cuBLAS: two launches for o_proj, ~2 CTAs for
+    the gate); up to kernels.skinny_gemm.max_tokens, skinny_gemm, the same weight stream on tensor cores (with
+    `counter`, the call site's zeroed int32 buffer, it may split K inside its one launch). More tokens take
+    cuBLAS; out_dtype=float32 (the router's logits, o_proj's output) is its FP32 accumulator (the BF16 x BF16 ->
+    FP32 GEMM; on the CPU, which lacks it, FP32 copies multiplied: the same values)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] <= skinny_max_tokens(weight.shape[0]):
         y = skinny_linear(flat, weight, out_dtype=out_dtype)
+    elif flat.shape[0] <= gemm_max_tokens(weight.shape[0]) and flat.dtype == torch.bfloat16:
+        y = skinny_gemm(flat, weight, out_dtype=out_dtype, counter=counter)
     elif out_dtype == torch.float32 and flat.is_cuda:
         y = torch.mm(flat, weight.t(), out_dtype=torch.float32)
     elif out_dtype == torch.float32:

@@ -29,6 +29,7 @@ from kernels import (
 )
 from kernels.expert_centric_moe import table_source
 from kernels.router_gate_topk import router_gate_topk
+from kernels.skinny_gemm import gemm_counter
 
 MoEPath = Callable[..., torch.Tensor]
 # Up to this many tokens the router is one launch (router_gate_topk with the residual add and RMSNorm in its
@@ -107,6 +108,7 @@ class SparseMoE(nn.Module):
             num_experts, hidden_size, intermediate_size, dtype=dtype, device="meta")
         # The fused decode router's arrival counter (kernels/router_gate_topk.py): one per block, zero between launches.
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("gate_counter", gemm_counter(num_experts, device), persistent=False)  # skinny_gemm's
 
     def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor:
         """x [..., H]; `capture` (composer_rollout.engine.capture.ExpertCapture, or None) records this layer's
@@ -116,7 +118,7 @@ class SparseMoE(nn.Module):
         cap = None if capture is None else capture.layer(layer)
         # The fused router takes FP32 logits (Hugging Face's are BF16): a near-tie between experts is not decided by
         # a rounding. (Its one-launch form runs with the add + norm, in add_norm_forward.)
-        logits = (fused_linear(flat, self.gate.weight, torch.float32) if self.fused_router
+        logits = (fused_linear(flat, self.gate.weight, torch.float32, self.gate_counter) if self.fused_router
                   else F.linear(flat, self.gate.weight))
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
         return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)
