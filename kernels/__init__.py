@@ -16,6 +16,7 @@ from kernels.prefill_attention import prefill_attention
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.router_topk import router_topk, router_topk_reference
+from kernels.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from kernels.skinny_linear import skinny_linear, skinny_linear_reference
 from kernels.warp_decode_moe import warp_decode_moe
 
@@ -46,6 +47,8 @@ __all__ = [
     "rms_norm_reference",
     "router_topk",
     "router_topk_reference",
+    "skinny_gemm",
+    "skinny_gemm_reference",
     "skinny_linear",
     "skinny_linear_reference",
     "warp_decode_moe",
