@@ -81,6 +81,10 @@ def max_rel(out, ref):
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
+# (row key, label, plot style) of each launch the bench times
+LAUNCHES = (("us", "skinny_linear", "o-"), ("gemm_us", "skinny_gemm", "^-"), ("cublas_us", "cuBLAS", "s--"))
+
+
 def cublas(x, w, out_dtype):
     """What the model runs above the Triton launches' token limits (layers.fused_linear): an FP32 output is
     cuBLAS's FP32 accumulator (BF16 x BF16 -> FP32), a BF16 one F.linear."""
@@ -126,12 +130,11 @@ def bench_shape(model, proj, N, K, out_dtype, tokens, reps, ceiling, sweep, gen)
         row["cublas_us"] = round(per_call_us(partial(cublas, x, out_dtype=out_dtype), ws, reps), 2)
         row["cublas_err"] = float(f"{max_rel(cublas(x, ws[0], out_dtype), ref):.3g}")
         row["bound_us"] = round((N * K * 2 + T * K * 2 + T * N * out.element_size()) / ceiling / 1e6, 2)
-        launches = {k: row[k] for k in ("us", "gemm_us", "cublas_us") if k in row}
-        row["fastest"] = min(launches, key=launches.get)
+        launches = {key: (label, row[key]) for key, label, _ in LAUNCHES if key in row}
+        row["fastest"] = min(launches, key=lambda key: launches[key][1])
         rows.append(row)
         print(f"{model:16s} {proj:7s} {N:5d}x{K:<5d} T={T:<3d} bound {row['bound_us']:6.2f} µs  "
-              + "  ".join(f"{k.removesuffix('_us') or 'skinny'} {v:7.2f} ({100 * row['bound_us'] / v:5.1f}%)"
-                          for k, v in launches.items())
+              + "  ".join(f"{label} {v:7.2f} ({100 * row['bound_us'] / v:5.1f}%)" for label, v in launches.values())
               + (f"  best skinny {row['best_us']:.2f} {tuple(row['best_config'])}" if sweep and "us" in row else "")
               + (f"  best gemm {row['gemm_best_us']:.2f} {tuple(row['gemm_best_config'])}"
                  if sweep and "gemm_us" in row else ""), flush=True)
@@ -144,9 +147,6 @@ def _skinny(x, out_dtype, out, cfg, w):
 
 def _gemm(x, out_dtype, out, counter, cfg, w):
     return skinny_gemm(x, w, out_dtype=out_dtype, out=out, counter=counter, config=cfg)
-
-
-LAUNCHES = (("us", "skinny_linear", "o-"), ("gemm_us", "skinny_gemm", "^-"), ("cublas_us", "cuBLAS", "s--"))
 
 
 def plot(rows, out_dir):
