@@ -125,8 +125,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
                   HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr, ROPE: tl.constexpr,
                   PDL: tl.constexpr):
-    if PDL:  # see mx_tiles.pdl_launch: let the next launch start, wait for the previous kernel before any memory
-        tl.extra.cuda.gdc_launch_dependents()  # access
+    if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -228,8 +228,8 @@ def _merge(base, s0, active, m, d, acc, l, W: tl.constexpr, D: tl.constexpr, BS:
 def _combine_kernel(ws_ptr, out_ptr, pos_ptr, L, HQ: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
                     SP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,
                     PDL: tl.constexpr):
-    if PDL:  # see mx_tiles.pdl_launch: let the next launch start, wait for the previous kernel before any memory
-        tl.extra.cuda.gdc_launch_dependents()  # access
+    if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     W: tl.constexpr = D + 4
     r = tl.program_id(0)  # b * Hq + query head

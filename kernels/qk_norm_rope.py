@@ -68,8 +68,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_
                          k_cache_ptr, v_cache_ptr, eps, S, N, L, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
                          HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
                          D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # see mx_tiles.pdl_launch: let the next launch start, wait for the previous kernel before any memory
-        tl.extra.cuda.gdc_launch_dependents()  # access
+    if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     b = t // S

@@ -55,8 +55,8 @@ def round_bf16(v, INTERPRET: tl.constexpr):
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
                     ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, X_F32: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # see mx_tiles.pdl_launch: let the next launch start, wait for the previous kernel before any memory
-        tl.extra.cuda.gdc_launch_dependents()  # access
+    if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, BLOCK)

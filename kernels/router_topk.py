@@ -72,8 +72,8 @@ def _topk(key, ROWS: tl.constexpr, LOG_E: tl.constexpr, LOG_K: tl.constexpr):
 def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, cap_ptr, T, E: tl.constexpr, K: tl.constexpr, LOG_E: tl.constexpr,
                         LOG_K: tl.constexpr, ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr,
                         CAPTURE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # see mx_tiles.pdl_launch: let the next launch start, wait for the previous kernel before any memory
-        tl.extra.cuda.gdc_launch_dependents()  # access
+    if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, 2 ** LOG_E)
