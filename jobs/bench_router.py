@@ -9,8 +9,8 @@ Forms, per T (Qwen3 router shapes: gate [E, H] BF16, FP32 logits):
   form from layer 1 on, up to FUSED_ROUTER_MAX_T tokens);
 - fused: router_gate_topk alone (the kernel allows it; the model no longer runs it: every layer's router comes
   after the post-attention add + norm);
-- skinny+topk: skinny_linear's FP32 logits then router_topk (T <= 16: fused_linear's path there);
-- gemm+topk: skinny_gemm's FP32 logits (tensor cores) then router_topk (fused_linear's path from 17 to 128 tokens);
+- skinny+topk: skinny_linear's FP32 logits then router_topk (T <= 8: fused_linear's path there);
+- gemm+topk: skinny_gemm's FP32 logits (tensor cores) then router_topk (fused_linear's path from 9 to 128 tokens);
 - cublas+topk: torch.mm with an FP32 output then router_topk (fused_linear's path above 128 tokens);
 the unfused forms with the norm run rmsnorm's add_norm first (+norm rows), so each fused form has a like-for-like
 unfused twin. Each timing: the median µs per call of CUDA-graph replays of one graph calling the form on C distinct

@@ -39,11 +39,11 @@ def pdl_launch() -> dict:
     memory access: on the GPU it is launched as a programmatic dependent of the previous kernel (sm_90), so its
     CTAs are scheduled while that kernel's last wave drains, and wait there for its results (with
     kernels/skinny_linear.py, a batch-1 Qwen3-30B-A3B decode step went from 3,129 to 2,740 µs: docs/perf.md). The
-    decode path's kernels also call gdc_launch_dependents() first, so the next launch's CTAs start as soon as all
-    of this one's have, and a projection's weights (loaded before its wait) stream during the attention or norm
-    before it (H100, 30B decode step: -3% at B = 1, -6% at 4, -1.2% at 64). The wait is for the previous kernel's
-    completion and every such kernel waits before touching activations, so a chain keeps stream order. Triton's
-    interpreter cannot run griddepcontrol: off there."""
+    dense decode kernels also call gdc_launch_dependents() first, so the next launch's CTAs start as soon as all of
+    this one's have, and a projection's weights (loaded before its wait) stream during the attention or norm before
+    it (H100, 30B decode step: -3% at B = 1, -6% at 4, -1.2% at 64); the MoE's launches do not (through them it
+    measured 2.5-3.9% slower). The wait is for the previous kernel's completion and every such kernel waits before
+    touching activations, so a chain keeps stream order. Triton's interpreter cannot run griddepcontrol: off there."""
     if triton.knobs.runtime.interpret:
         return dict(PDL=False)
     return dict(PDL=True, launch_pdl=True)

@@ -238,7 +238,7 @@ class Attention(nn.Module):
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  counter: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight^T on the Triton dense path. A decode step's few tokens (up to
-    kernels.skinny_linear.max_tokens: 2 for the attention projections, 16 for the router gate) take skinny_linear,
+    kernels.skinny_linear.max_tokens: 2 for the attention projections, 8 for the router gate) take skinny_linear,
     one launch of CUDA-core FMAs that beat cuBLAS there on the H200 (cuBLAS: two launches for o_proj, ~2 CTAs for
     the gate); up to kernels.skinny_gemm.max_tokens, skinny_gemm, the same weight stream on tensor cores (with
     `counter`, the call site's zeroed int32 buffer, it may split K inside its one launch). More tokens take
