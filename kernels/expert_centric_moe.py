@@ -7,8 +7,8 @@ Layout (as kernels/warp_decode_moe.py, whose argument checks this path shares):
     w13 [E, 2I, H] (gate rows, then up rows)   w2 [E, H, I]   BF16, or MXFP8Tensor (data fp8 e4m3 of that shape,
         scales uint8 E8M0 [..., in / 32])
     sorted_ids [S] int32, block_expert [S / BLOCK_M] int32   act [S, I] bf16   part [P, H] fp32   out [T, H] bf16
-Four launches (five with dequant "fp8": the hidden split): align (sort pairs by expert, pad each expert to BLOCK_M
-rows), gate_up (grouped GEMM, SiLU(gate) * up fused), down (grouped GEMM, routing weight applied), combine (each
+Four launches: align (sort pairs by expert, pad each expert to BLOCK_M rows; with dequant "fp8" it also splits the
+hidden rows), gate_up (grouped GEMM, SiLU(gate) * up fused), down (grouped GEMM, routing weight applied), combine (each
 token's k rows of `part` summed in a fixed order: deterministic, no atomics). No host sync and fixed buffer sizes
 (the worst case over routings), so a layer captures in a CUDA graph. Tensor-core GEMMs (tl.dot, BF16 operands,
 FP32 accumulate) with MXFP8 weights dequantized in the prologue; under Triton's interpreter (CPU tests) the dots
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.fp8_split import FP8Split, fp8_split_rows
+from kernels.fp8_split import FP8Split
 from kernels.moe_align import moe_align
 from kernels.moe_combine import moe_combine
 from kernels.moe_down import moe_down
@@ -257,11 +257,11 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     cfg = config or tuned_config(T, E, H, I, k, hidden.device, dequant)
     if cfg.gate_up.tma_act:
         raise ValueError("tma_act is a tile option of down only: gate_up gathers its tokens' rows")
+    if dequant == "fp8":
+        _fp8_gemms(hidden, topk_weights, *moe_align(topk_ids, E, cfg.block_m, split=hidden), w13, w2, cfg, out)
+        return out
     sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
     S = sorted_ids.shape[0]
-    if dequant == "fp8":
-        _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg, out)
-        return out
     if cfg.gate_up.tma or cfg.down.tma or cfg.down.tma_act:
         raise ValueError(f"tma and tma_act are tile options of dequant 'fp8' only, got dequant {dequant!r}")
     mx_act = act_dtype == "mxfp8"
@@ -280,14 +280,16 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     return out
 
 
-def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, w13, w2, cfg: ExpertCentricConfig, out) -> None:
-    """dequant "fp8": hidden split per token, both GEMMs on FP8 dots, act split per 32 between them, combine. The
-    tiles' block_k is cut to a divisor of the reduction (the FP8 kernels take whole 32-wide groups per step)."""
+def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8Split, w13, w2,
+               cfg: ExpertCentricConfig, out) -> None:
+    """dequant "fp8": both GEMMs on FP8 dots over the hidden rows split per token (by the align launch), act split
+    per 32 between them, combine. The tiles' block_k is cut to a divisor of the reduction (the FP8 kernels take
+    whole 32-wide groups per step)."""
     (T, H), k, I = hidden.shape, topk_weights.shape[1], w2.shape[-1]
     S, dev = sorted_ids.shape[0], hidden.device
     act = FP8Split.empty(S, I, I // 32, dev)
     g, d = cfg.gate_up, cfg.down
-    moe_gate_up_fp8(fp8_split_rows(hidden), sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k,
+    moe_gate_up_fp8(hidden_split, sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k,
                     block_m=cfg.block_m, block_n=g.block_n, block_k=math.gcd(g.block_k, H), num_warps=g.num_warps,
                     num_stages=g.num_stages, tma=g.tma)
     part = torch.empty((T * k, H), dtype=torch.float32, device=dev)

@@ -14,8 +14,9 @@ Layout (row-major), R rows of N elements, G = N / group scale groups per row (gr
     x [R, N] bf16 or fp32   data [R, 2, N] float8_e4m3fn (data[r, 0] = hi, data[r, 1] = lo)   scales [R, G] uint8
 A row's hi and lo are adjacent, so a GEMM loads them as one [32, 2M] operand (columns 2m and 2m + 1: hi and lo of
 row m) and runs one dot for both, adding each column pair after it.
-`fp8_split_rows` is the launch for a row scale (hidden rows before the gate_up GEMM: one program per row); the
-gate_up GEMM splits its output tile per 32 with the same `split_e4m3` helper. Rounding is integer arithmetic and
+`fp8_split_rows` is the launch for a row scale (one program per row); the hidden rows before the gate_up GEMM are
+split by the align launch (kernels/moe_align.py) with the same `split_row`, and the gate_up GEMM splits its output
+tile per 32 with the same `split_e4m3` helper. Rounding is integer arithmetic and
 IEEE FP32 adds (kernels/mxfp8_quantize_kernel.py), so Triton's interpreter computes the GPU's bytes.
 Bytes: read R * N * 2 (bf16), write R * N * 2 + R * G.
 """
@@ -79,8 +80,10 @@ def split_e4m3(bits, code):
 
 
 @triton.jit
-def _split_rows_kernel(x_ptr, d_ptr, s_ptr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+def split_row(x_ptr, d_ptr, s_ptr, r, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
+    """Row r of x [R, N] split under one scale: hi and lo to d [R, 2, N], the code to s [R]. A helper, so that a
+    launch that runs anyway (kernels/moe_align.py) can split the rows too."""
+    r = r.to(tl.int64)
     n = tl.arange(0, BN)
     ok = n < N
     x = tl.load(x_ptr + r * N + n, mask=ok, other=0)
@@ -95,8 +98,13 @@ def _split_rows_kernel(x_ptr, d_ptr, s_ptr, N: tl.constexpr, BF16_BITS: tl.const
     tl.store(s_ptr + r, code.to(tl.uint8))
 
 
-def fp8_split_rows(x: torch.Tensor, out: FP8Split | None = None) -> FP8Split:
-    """x [R, N] (bf16 or fp32, contiguous) split with one scale per row, into `out` if given (scales [R, 1])."""
+@triton.jit
+def _split_rows_kernel(x_ptr, d_ptr, s_ptr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
+    split_row(x_ptr, d_ptr, s_ptr, tl.program_id(0), N, BF16_BITS, BN)
+
+
+def split_rows_args(x: torch.Tensor, out: FP8Split | None) -> tuple[FP8Split, tuple, dict]:
+    """Checks x and `out` for a row-scale split; (out, the kernel's pointer arguments, its constexprs)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"x must be a bfloat16 or float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2 or not x.is_contiguous():
@@ -104,12 +112,16 @@ def fp8_split_rows(x: torch.Tensor, out: FP8Split | None = None) -> FP8Split:
     R, N = x.shape
     out = FP8Split.empty(R, N, 1, x.device) if out is None else out
     out.check("out", R, N, 1, x.device)
-    if R == 0:
-        return out
-    bn = triton.next_power_of_2(N)
     bf16 = x.dtype == torch.bfloat16
-    _split_rows_kernel[(R,)](x.view(torch.int16) if bf16 else x, out.data.view(torch.uint8), out.scales, N,
-                             BF16_BITS=bf16, BN=bn, num_warps=4 if bn <= 2048 else 8)
+    ptrs = (x.view(torch.int16) if bf16 else x, out.data.view(torch.uint8), out.scales)
+    return out, ptrs, dict(N=N, BF16_BITS=bf16, BN=triton.next_power_of_2(N))
+
+
+def fp8_split_rows(x: torch.Tensor, out: FP8Split | None = None) -> FP8Split:
+    """x [R, N] (bf16 or fp32, contiguous) split with one scale per row, into `out` if given (scales [R, 1])."""
+    out, ptrs, cx = split_rows_args(x, out)
+    if x.shape[0]:
+        _split_rows_kernel[(x.shape[0],)](*ptrs, **cx, num_warps=4 if cx["BN"] <= 2048 else 8)
     return out
 
 

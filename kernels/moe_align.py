@@ -18,16 +18,21 @@ then stride over the row blocks, BB per step: expert of a block = number of expe
 before it; padding slots get P. At decode sizes one chunk holds every pair, and one program walking all the
 blocks (136 at T = 32, BLOCK_M 16) took 6.9 µs per layer on the H200 (8.8 at T = 64): the grid has at least one
 program per BB blocks, so each takes one step (3.9 µs at T = 32: docs/perf.md).
+With `split` (the FP8 GEMMs' path), T more programs split the hidden rows into hi + lo E4M3 (kernels/fp8_split.py):
+that work needs only the hidden rows, so it rides in this launch instead of a launch of its own (one kernel
+boundary less per layer).
 Chunks are disjoint and padding slots are disjoint from pair slots, so no atomics and the output is the same
 every run. Redoing the histogram per program costs O(P^2 / CH) compares, small next to the GEMMs: one program
 up to P = CH (T = 512 at k = 8), 16 programs at T = 8192.
-Bytes: reads topk_ids (4 or 8 bytes per pair) once per program (from L2), writes 4 * S + 4 * S / BLOCK_M.
+Bytes: reads topk_ids (4 or 8 bytes per pair) once per program (from L2), writes 4 * S + 4 * S / BLOCK_M; with
+`split`, reads T * H * 2 and writes T * (2 * H + 1).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_split import split_row, split_rows_args
 from kernels.moe_reference import check_tensor
 
 _MAX_CHUNK = 4096
@@ -35,9 +40,14 @@ _BLOCKS_PER_STEP = 32
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_chunks, n_blocks, E: tl.constexpr,
-                  EP: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_chunks, n_blocks, n_align, x_ptr, xd_ptr, xs_ptr,
+                  E: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr,
+                  SPLIT: tl.constexpr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
     c = tl.program_id(0)
+    if SPLIT:  # the programs past the align grid split a hidden row each
+        if c >= n_align:
+            split_row(x_ptr, xd_ptr, xs_ptr, c - n_align, N, BF16_BITS, BN)
+            return
     i = tl.arange(0, CH)
     total = tl.zeros([EP], dtype=tl.int32)
     earlier = tl.zeros([EP], dtype=tl.int32)
@@ -74,7 +84,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_chunks, n_blocks, 
         r = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]
         pad = r >= tl.gather(fill_from, tl.minimum(eb, EP - 1), axis=0)[:, None]
         tl.store(sorted_ptr + r, P, mask=pad & (b < n_blocks)[:, None])
-        b0 += tl.num_programs(0) * BB
+        b0 += n_align * BB
 
 
 def num_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -92,8 +102,10 @@ def check_alignment(sorted_ids: torch.Tensor, block_expert: torch.Tensor, block_
     return S
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_ids [S] int32, block_expert [S / block_m] int32) for topk_ids [T, k]; see the module docstring."""
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, split: torch.Tensor | None = None):
+    """(sorted_ids [S] int32, block_expert [S / block_m] int32) for topk_ids [T, k]; see the module docstring.
+    split: hidden [T, H] to split into hi + lo E4M3 rows in the same launch (kernels/fp8_split.py, one scale per
+    row), for the FP8 GEMMs; then the FP8Split is returned third."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be an int32 or int64 tensor, got {getattr(topk_ids, 'dtype', topk_ids)}")
     if topk_ids.dim() != 2 or not topk_ids.is_contiguous():
@@ -105,12 +117,21 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     S = num_slots(P, num_experts, block_m)
     sorted_ids = torch.empty(S, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(S // block_m, dtype=torch.int32, device=topk_ids.device)
-    if P == 0:
+    rows, ptrs, cx = 0, (topk_ids, topk_ids, topk_ids), dict(N=1, BF16_BITS=False, BN=1)
+    if split is not None:
+        if split.dim() != 2 or split.shape[0] != topk_ids.shape[0] or split.device != topk_ids.device:
+            raise ValueError(f"split must be the [T, H] hidden rows of topk_ids' {topk_ids.shape[0]} tokens on "
+                             f"{topk_ids.device}, got {tuple(split.shape)} on {split.device}")
+        hidden_split, ptrs, cx = split_rows_args(split, None)
+        rows = split.shape[0]
+    if P:
+        ch = min(triton.next_power_of_2(P), _MAX_CHUNK)
+        n_chunks, n_blocks = triton.cdiv(P, ch), S // block_m
+        n_align = max(n_chunks, triton.cdiv(n_blocks, _BLOCKS_PER_STEP))
+        _align_kernel[(n_align + rows,)](
+            topk_ids, sorted_ids, block_expert, P, n_chunks, n_blocks, n_align, *ptrs, E=num_experts,
+            EP=triton.next_power_of_2(num_experts), CH=ch, BLOCK_M=block_m, BB=_BLOCKS_PER_STEP, SPLIT=rows > 0,
+            **cx, num_warps=8 if ch >= 1024 or cx["BN"] > 2048 else 4)
+    if split is None:
         return sorted_ids, block_expert
-    ch = min(triton.next_power_of_2(P), _MAX_CHUNK)
-    n_chunks, n_blocks = triton.cdiv(P, ch), S // block_m
-    _align_kernel[(max(n_chunks, triton.cdiv(n_blocks, _BLOCKS_PER_STEP)),)](
-        topk_ids, sorted_ids, block_expert, P, n_chunks, n_blocks, E=num_experts,
-        EP=triton.next_power_of_2(num_experts), CH=ch, BLOCK_M=block_m, BB=_BLOCKS_PER_STEP,
-        num_warps=8 if ch >= 1024 else 4)
-    return sorted_ids, block_expert
+    return sorted_ids, block_expert, hidden_split

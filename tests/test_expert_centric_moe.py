@@ -24,6 +24,7 @@ from test_warp_decode_moe import DEVICE, _problem
 import kernels.moe_align as align_mod
 from kernels import MXFP8Tensor, moe_reference, mxfp8_quantize
 from kernels.expert_centric_moe import ExpertCentricConfig, GemmConfig, auto_moe, expert_centric_moe
+from kernels.fp8_split import fp8_split_reference
 from kernels.moe_align import moe_align, num_slots
 from kernels.moe_down import moe_down
 from kernels.moe_gate_up import moe_gate_up
@@ -62,11 +63,18 @@ def test_align(monkeypatch, T, k, E, block_m, max_chunk):
     monkeypatch.setattr(align_mod, "_MAX_CHUNK", max_chunk)
     gen = torch.Generator().manual_seed(T)
     ids = _skewed_ids(T) if (k, E) == (2, 6) else torch.randint(0, E, (T, k), generator=gen)
+    want_sorted, want_experts = _expected_alignment(ids, E, block_m)
     for dtype in (torch.int32, torch.int64):
         sorted_ids, block_expert = moe_align(ids.to(dtype).to(DEVICE), E, block_m)
-        want_sorted, want_experts = _expected_alignment(ids, E, block_m)
         assert sorted_ids.tolist() == want_sorted
         assert block_expert.tolist() == want_experts
+    # The FP8 path's form: the same launch also splits the hidden rows, byte for byte as fp8_split_rows does.
+    hidden = (torch.randn(T, 96, generator=gen) * torch.logspace(-3, 2, T)[:, None]).bfloat16()
+    sorted_ids, block_expert, split = moe_align(ids.to(DEVICE), E, block_m, split=hidden.to(DEVICE))
+    assert (sorted_ids.tolist(), block_expert.tolist()) == (want_sorted, want_experts)
+    want = fp8_split_reference(hidden)
+    assert torch.equal(split.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(split.scales.cpu(), want.scales.reshape(T, 1))
 
 
 def _check(args, out, rel_max=1e-2):
@@ -385,6 +393,8 @@ def test_launcher_errors():
         moe_align(ids.float(), 5, 16)
     with pytest.raises(ValueError, match="block_m"):
         moe_align(ids, 5, 12)
+    with pytest.raises(ValueError, match="split must be the"):
+        moe_align(ids, 5, 16, split=torch.zeros(ids.shape[0] + 1, 32, dtype=torch.bfloat16, device=ids.device))
     sorted_ids, block_expert = moe_align(ids, 5, 16)
     with pytest.raises(TypeError, match="act"):
         moe_gate_up(hidden, sorted_ids, block_expert, w13, torch.empty(sorted_ids.shape[0], 96, device=DEVICE),
