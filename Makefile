@@ -1,10 +1,11 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | bench-attention | bench-skinny | bench-router | bench-sampler | bench-decode | bench-prefill | profile-decode | gpu-*
+# bench-sync | bench-attention | bench-skinny | bench-router | bench-sampler | bench-decode | bench-prefill | profile-decode |
+# ab-base | ab-moe | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
 	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-sampler bench-decode profile-decode \
-	gpu-decode gpu-multi bench-prefill gpu-prefill
+	gpu-decode gpu-multi bench-prefill gpu-prefill ab-base ab-moe
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -30,6 +31,13 @@ bench-load:  ## checkpoint load time against tensor count (CPU)
 
 bench-moe:  ## MoE kernel paths at the Qwen3 shapes (GPU)
 	$(PY) jobs/bench_moe.py $(ARGS)
+
+REV ?= HEAD
+ab-base:  ## export revision REV's kernels/ and composer_rollout/ into .ab_base/ (ignored; carry it to the GPU)
+	rm -rf .ab_base && mkdir -p .ab_base && git archive $(REV) kernels composer_rollout | tar -x -C .ab_base
+
+ab-moe:  ## MoE paths of .ab_base's kernels/ against the working tree's, timed side by side in one process (GPU)
+	$(PY) jobs/ab_moe.py --base .ab_base $(ARGS)
 
 bench-sync:  ## weight sync of a Qwen3-30B-A3B-sized state into a worker: cuda_ipc and object_store (GPU, ray)
 	$(PY) jobs/bench_sync.py $(ARGS)
