@@ -24,13 +24,14 @@ import argparse
 import json
 import os
 import statistics
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels import auto_moe, expert_centric_moe, moe_reference, mxfp8_quantize
-from kernels.warp_decode_moe import SCHEDULES, Tiles, warp_decode_moe
+from kernels.warp_decode_moe import SCHEDULES, Tiles, tiles_for, warp_decode_moe
 
 SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, k=8), "qwen3-235b-a22b": dict(H=4096, I=1536, E=128, k=8)}
 # Quoted from /work/shared/docs/background.md (vLLM Triton fused_moe, faster of BF16/FP8, H200, 30B shape).
@@ -265,6 +266,29 @@ def summary(rows, ceiling, tflops):
                 kernel_auto_within_5pct={t: kauto[t] <= 1.05 * best[t] for t in best})
 
 
+def sweep_variants() -> dict:
+    """{T: {tag: (schedule, Tiles)}}: the tile variants timed beside the shipped ones (--no-sweep skips them)."""
+    sweep = {t: {"bn2w2ctas8": ("pair", Tiles(pair_bn=2, pair_warps=2, pair_ctas=8)),
+                 "stages2ctas8pdl": ("pair", Tiles(pair_stages=2, pair_ctas=8, pdl=True)),
+                 "down_ctas4": ("pair", Tiles(pair_down_ctas=4)),
+                 "down_bh16w8": ("pair", Tiles(pair_down_bh=16, pair_down_warps=8, pair_down_stages=2,
+                                               pair_down_ctas=2)),
+                 # every chunk of an item in flight from the start; then the same on one 16-row program per SM
+                 "down_stages4": ("pair", replace(tiles_for(t), pair_down_stages=4)),
+                 "down_bh16w8s4c1": ("pair", replace(tiles_for(t), pair_down_bh=16, pair_down_warps=8,
+                                                     pair_down_stages=4, pair_down_ctas=1))}
+             for t in (1, 2, 4)}
+    # T = 8 / 16: 2,048 / 4,096 down items over 3 programs per SM fall 5-6 / 10-11 to a program; 2 or 4 per SM
+    # balance them better (docs/perf.md, 2026-12-07)
+    for t in (8, 16):
+        sweep[t] = {f"down_ctas{c}": ("pair", replace(tiles_for(t), pair_down_ctas=c)) for c in (2, 4)}
+    for t in (16, 64):
+        sweep.setdefault(t, {}).update({"stages2": ("expert", Tiles(expert_stages=2)),
+                                        "bk64": ("expert", Tiles(expert_bk=64)),
+                                        "bn64bh32": ("expert", Tiles(expert_bn=64, expert_bh=32))})
+    return sweep
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
@@ -284,14 +308,7 @@ def main():
     print(f"read ceiling {ceiling:.3f} TB/s (streaming read, 4 GiB, CUDA graph, median)", flush=True)
     tflops = bf16_matmul_tflops()
     print(f"BF16 matmul {tflops:.1f} TFLOP/s (torch.matmul 8192^3, CUDA graph, median)", flush=True)
-    sweep = {} if args.no_sweep else {
-        t: {"bn2w2ctas8": ("pair", Tiles(pair_bn=2, pair_warps=2, pair_ctas=8)),
-            "stages2ctas8pdl": ("pair", Tiles(pair_stages=2, pair_ctas=8, pdl=True)),
-            "down_ctas4": ("pair", Tiles(pair_down_ctas=4)),
-            "down_bh16w8": ("pair", Tiles(pair_down_bh=16, pair_down_warps=8, pair_down_stages=2, pair_down_ctas=2))}
-        for t in (1, 2, 4)}
-    sweep.update({t: {"stages2": ("expert", Tiles(expert_stages=2)), "bk64": ("expert", Tiles(expert_bk=64)),
-                      "bn64bh32": ("expert", Tiles(expert_bn=64, expert_bh=32))} for t in (16, 64)})
+    sweep = {} if args.no_sweep else sweep_variants()
     tokens = [int(t) for t in args.tokens.split(",")]
     tokens += [t for t in PREFILL_TOKENS if args.prefill and t not in tokens]
     rows = []
