@@ -5,7 +5,7 @@ PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
 	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-sampler bench-decode profile-decode \
-	gpu-decode gpu-multi bench-prefill gpu-prefill ab-base ab-moe
+	gpu-decode gpu-multi bench-prefill gpu-prefill ab-base ab-moe gpu-ab
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -83,6 +83,9 @@ gpu-rollout:  ## on the GPU machine: the rollout job, qwen3_30b_a3b, one GPU wor
 
 gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (needs ray wheels in .whl)
 	bash jobs/gpu_sync.sh
+
+gpu-ab:  ## on the GPU machine, .ab_base carried: MoE GPU tests, ab_moe, bench_decode steps on base / new / base
+	bash jobs/gpu_ab.sh
 
 gpu-decode:  ## on the GPU machine: dense-path and CUDA-graph GPU tests, bench_skinny, bench_attention, profile, bench_decode
 	bash jobs/gpu_decode.sh
