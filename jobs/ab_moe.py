@@ -1,15 +1,15 @@
 """A/B of the MoE kernel paths: the working tree's kernels/ against a base revision's, timed in one process.
 
 Why. A kernel change is judged old against new on the same machine in the same device call: lent GPUs differ by a
-few percent (and H100s stand in for H200s), and device time comes in short sessions, so the comparison must not
-need a second call. `make ab-base REV=<rev>` exports that revision's kernels/ into .ab_base/ (ignored by git; name
-it in the device call's `carry`); this job imports both `kernels` packages side by side, builds one set of MXFP8
-layers (each tree wraps the same bytes in its own MXFP8Tensor), and at each T times every path of both trees as
-CUDA-graph replays over --layers distinct weight sets (so L2 cannot serve repeated reads), in --rounds
-interleaved rounds (base, new, base, new, ...). Per row: µs per layer (best round), the spread of the rounds, the
-change against base, % of the read ceiling measured in the same run (the touched experts' bytes, as
-jobs/bench_moe.py counts them), and whether new's output is bit-identical to base's. Table, one JSON line, a PNG.
-On the CPU (--device cpu, Triton's interpreter, toy shape) it runs eagerly: a check that the job works, not a
+few percent (and H100s stand in for H200s), and device time comes in short sessions, so the comparison must not need
+a second call. `make ab-base REV=<rev>` exports that revision's kernels/ (and composer_rollout/) into .ab_base/
+(ignored by git; name it in the device call's `carry`); this job imports both `kernels` packages side by side,
+builds one set of MXFP8 layers (each tree wraps the same bytes in its own MXFP8Tensor), and at each T times every
+path of both trees as CUDA-graph replays over --layers distinct weight sets (so L2 cannot serve repeated reads), in
+--rounds interleaved rounds (base, new, base, new, ...). Per row: µs per layer (best round), the spread of the
+rounds, the change against base, % of the read ceiling measured in the same run (the touched experts' bytes, as
+jobs/bench_moe.py counts them), and whether new's output is bit-identical to base's. Table, one JSON line, a PNG. On
+the CPU (--device cpu, Triton's interpreter, toy shape) it runs eagerly: a check that the job works, not a
 measurement.
 
 Usage: python3 jobs/ab_moe.py --base .ab_base --out DIR [--paths expert_centric,kernel_auto] [--tokens 16,32,64]
@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from jobs.bench_moe import quantize_chunked, read_ceiling_tbs, time_graph
+from jobs.bench_moe import SHAPES as MODEL_SHAPES
+from jobs.bench_moe import make_inputs, make_layers, read_ceiling_tbs, time_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, k=8), "qwen3-235b-a22b": dict(H=4096, I=1536, E=128, k=8),
-          "tiny": dict(H=96, I=64, E=6, k=2)}
+SHAPES = {**MODEL_SHAPES, "tiny": dict(H=96, I=64, E=6, k=2)}
 PATHS = ("warp_decode", "expert_centric", "kernel_auto")
 
 
@@ -69,20 +69,12 @@ def run(base_root: str, shape: dict, tokens: list[int], paths: list[str], layers
         device: str) -> list[dict]:
     trees = {"base": load_kernels(base_root), "new": load_kernels(ROOT)}
     H, I, E, k = shape["H"], shape["I"], shape["E"], shape["k"]
-    gen = torch.Generator(device=device).manual_seed(0)
-    weights = [(quantize_chunked(torch.randn(E, 2 * I, H, device=device, generator=gen).bfloat16() * H**-0.5),
-                quantize_chunked(torch.randn(E, H, I, device=device, generator=gen).bfloat16() * I**-0.5))
-               for _ in range(layers)]
+    weights, _ = make_layers(H, I, E, layers, 0, device)
     per_expert = sum(w.data.nbytes + w.scales.nbytes for w in weights[0]) / E
     time_us = timer(device)
     rows = []
     for T in tokens:
-        inputs = []
-        for _ in range(layers):
-            probs = torch.softmax(torch.randn(T, E, device=device, generator=gen), dim=-1)
-            w, ids = probs.topk(k, dim=-1)
-            inputs.append((torch.randn(T, H, device=device, generator=gen).bfloat16(), w / w.sum(-1, keepdim=True),
-                           ids.to(torch.int32)))
+        inputs = make_inputs(T, H, E, k, layers, T, device)
         touched = statistics.mean(len(torch.unique(ids)) for _, _, ids in inputs)
         mb = (touched * per_expert + 4 * T * H) / 1e6
         for path in paths:

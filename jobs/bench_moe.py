@@ -95,13 +95,13 @@ def bf16_matmul_tflops(n=8192):
     return 2 * n**3 / time_graph(lambda: torch.matmul(a, b, out=c), 10) / 1e6
 
 
-def make_layers(H, I, E, layers, keep_bf16):
+def make_layers(H, I, E, layers, keep_bf16, device="cuda"):
     """MXFP8 weights for every layer; BF16 originals for the first `keep_bf16` layers."""
     mx, bf = [], []
     for layer in range(layers):
-        gen = torch.Generator(device="cuda").manual_seed(100 + layer)
-        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * H**-0.5
-        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * I**-0.5
+        gen = torch.Generator(device=device).manual_seed(100 + layer)
+        w13 = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16, generator=gen) * H**-0.5
+        w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16, generator=gen) * I**-0.5
         mx.append(tuple(quantize_chunked(w) for w in (w13, w2)))
         if layer < keep_bf16:
             bf.append((w13, w2))
@@ -114,12 +114,12 @@ def quantize_chunked(w, chunk=16):
     return type(parts[0])(torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
 
 
-def make_inputs(T, H, E, k, layers, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def make_inputs(T, H, E, k, layers, seed, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     inputs = []
     for _ in range(layers):
-        hidden = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-        probs = torch.softmax(torch.randn(T, E, device="cuda", generator=gen), dim=-1)
+        hidden = torch.randn(T, H, device=device, generator=gen).bfloat16()
+        probs = torch.softmax(torch.randn(T, E, device=device, generator=gen), dim=-1)
         weights, ids = probs.topk(k, dim=-1)
         inputs.append((hidden, weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)))
     return inputs

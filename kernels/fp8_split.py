@@ -117,11 +117,16 @@ def split_rows_args(x: torch.Tensor, out: FP8Split | None) -> tuple[FP8Split, tu
     return out, ptrs, dict(N=N, BF16_BITS=bf16, BN=triton.next_power_of_2(N))
 
 
+def split_rows_warps(bn: int) -> int:
+    """Warps for a program that splits a row of `bn` (a power of two) elements."""
+    return 4 if bn <= 2048 else 8
+
+
 def fp8_split_rows(x: torch.Tensor, out: FP8Split | None = None) -> FP8Split:
     """x [R, N] (bf16 or fp32, contiguous) split with one scale per row, into `out` if given (scales [R, 1])."""
     out, ptrs, cx = split_rows_args(x, out)
     if x.shape[0]:
-        _split_rows_kernel[(x.shape[0],)](*ptrs, **cx, num_warps=4 if cx["BN"] <= 2048 else 8)
+        _split_rows_kernel[(x.shape[0],)](*ptrs, **cx, num_warps=split_rows_warps(cx["BN"]))
     return out
 
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_split import split_row, split_rows_args
+from kernels.fp8_split import split_row, split_rows_args, split_rows_warps
 from kernels.moe_reference import check_tensor
 
 _MAX_CHUNK = 4096
@@ -131,7 +131,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, split: 
         _align_kernel[(n_align + rows,)](
             topk_ids, sorted_ids, block_expert, P, n_chunks, n_blocks, n_align, *ptrs, E=num_experts,
             EP=triton.next_power_of_2(num_experts), CH=ch, BLOCK_M=block_m, BB=_BLOCKS_PER_STEP, SPLIT=rows > 0,
-            **cx, num_warps=8 if ch >= 1024 or cx["BN"] > 2048 else 4)
+            **cx, num_warps=max(8 if ch >= 1024 else 4, split_rows_warps(cx["BN"])))
     if split is None:
         return sorted_ids, block_expert
     return sorted_ids, block_expert, hidden_split
