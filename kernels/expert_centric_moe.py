@@ -9,8 +9,7 @@ Layout (as kernels/warp_decode_moe.py, whose argument checks this path shares):
     sorted_ids [S] int32, block_expert [S / BLOCK_M] int32   act [S, I] bf16   part [P, H] fp32   out [T, H] bf16
 Four launches: align (sort pairs by expert, pad each expert to BLOCK_M rows; with dequant "fp8" it also splits the
 hidden rows), gate_up (grouped GEMM, SiLU(gate) * up fused), down (grouped GEMM, routing weight applied), combine (each
-token's k rows of `part` summed in a fixed order: deterministic, no atomics on data); with dequant "fp8" three, the
-down launch's last arrivals doing the combine (kernels/moe_down_fp8.py). No host sync and fixed buffer sizes
+token's k rows of `part` summed in a fixed order: deterministic, no atomics). No host sync and fixed buffer sizes
 (the worst case over routings), so a layer captures in a CUDA graph. Tensor-core GEMMs (tl.dot, BF16 operands,
 FP32 accumulate) with MXFP8 weights dequantized in the prologue; under Triton's interpreter (CPU tests) the dots
 run in FP32 instead.
@@ -26,7 +25,7 @@ dequant "f16_rel" (MXFP8 weights only) runs both GEMMs' dots in FP16 on chunk-re
 (kernels/mx_tiles.py: cheaper MXFP8 dequantization, exact within the bounds documented there); opt-in (7% faster at
 T = 64-128 on the H200, slower at prefill). dequant "fp8" (MXFP8 weights only) does no dequantization: FP8
 tensor-core dots on the weights as stored, the activations split into hi + lo E4M3 terms (kernels/fp8_split.py:
-hidden per token by the align launch, act per 32 by the gate_up epilogue), each 32-wide K group's dot promoted into
+hidden per token in one more launch, act per 32 by the gate_up epilogue), each 32-wide K group's dot promoted into
 the FP32 accumulator times its scales (kernels/moe_gate_up_fp8.py, kernels/moe_down_fp8.py): 6-26% faster than
 BF16 dots at T = 8-512 on the H200 and closer to FP32 (1.78e-3 against 2.35e-3), slower at prefill sizes; dequant
 "auto" (the default) takes it up to FP8_MAX_TOKENS.
@@ -47,7 +46,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from kernels.fp8_split import FP8Split
 from kernels.moe_align import moe_align
@@ -260,10 +258,7 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if cfg.gate_up.tma_act:
         raise ValueError("tma_act is a tile option of down only: gate_up gathers its tokens' rows")
     if dequant == "fp8":
-        # The down launch's combine counters, zeroed by the align launch's split programs.
-        counter = torch.empty((T, triton.cdiv(H, cfg.down.block_n)), dtype=torch.int32, device=hidden.device)
-        aligned = moe_align(topk_ids, E, cfg.block_m, split=hidden, zero=counter)
-        _fp8_gemms(hidden, topk_weights, *aligned, counter, w13, w2, cfg, out)
+        _fp8_gemms(hidden, topk_weights, *moe_align(topk_ids, E, cfg.block_m, split=hidden), w13, w2, cfg, out)
         return out
     sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
     S = sorted_ids.shape[0]
@@ -285,11 +280,11 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     return out
 
 
-def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8Split, counter, w13, w2,
+def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8Split, w13, w2,
                cfg: ExpertCentricConfig, out) -> None:
     """dequant "fp8": both GEMMs on FP8 dots over the hidden rows split per token (by the align launch), act split
-    per 32 between them, the combine in the down launch (on `counter`, zeroed by the align launch). The tiles'
-    block_k is cut to a divisor of the reduction (the FP8 kernels take whole 32-wide groups per step)."""
+    per 32 between them, combine. The tiles' block_k is cut to a divisor of the reduction (the FP8 kernels take
+    whole 32-wide groups per step)."""
     (T, H), k, I = hidden.shape, topk_weights.shape[1], w2.shape[-1]
     S, dev = sorted_ids.shape[0], hidden.device
     act = FP8Split.empty(S, I, I // 32, dev)
@@ -300,7 +295,8 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8
     part = torch.empty((T * k, H), dtype=torch.float32, device=dev)
     moe_down_fp8(act, sorted_ids, block_expert, topk_weights, w2, part, block_m=cfg.block_m,
                  block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages,
-                 tma=d.tma, tma_act=d.tma_act, out=out, counter=counter)
+                 tma=d.tma, tma_act=d.tma_act)
+    moe_combine(part, out, k)
 
 
 def auto_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,

@@ -20,13 +20,12 @@ blocks (136 at T = 32, BLOCK_M 16) took 6.9 µs per layer on the H200 (8.8 at T 
 program per BB blocks, so each takes one step (3.9 µs at T = 32: docs/perf.md).
 With `split` (the FP8 GEMMs' path), T more programs split the hidden rows into hi + lo E4M3 (kernels/fp8_split.py):
 that work needs only the hidden rows, so it rides in this launch instead of a launch of its own (one kernel
-boundary less per layer). The same programs zero row t of `zero` [T, C] int32 if given: the down GEMM's arrival
-counters (kernels/moe_down_fp8.py's combine), fresh per call, so nothing has to leave them zeroed.
+boundary less per layer).
 Chunks are disjoint and padding slots are disjoint from pair slots, so no atomics and the output is the same
 every run. Redoing the histogram per program costs O(P^2 / CH) compares, small next to the GEMMs: one program
 up to P = CH (T = 512 at k = 8), 16 programs at T = 8192.
 Bytes: reads topk_ids (4 or 8 bytes per pair) once per program (from L2), writes 4 * S + 4 * S / BLOCK_M; with
-`split`, reads T * H * 2 and writes T * (2 * H + 1) (+ 4 * T * C with `zero`).
+`split`, reads T * H * 2 and writes T * (2 * H + 1).
 """
 
 import torch
@@ -42,16 +41,12 @@ _BLOCKS_PER_STEP = 32
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_chunks, n_blocks, n_align, x_ptr, xd_ptr, xs_ptr,
-                  zero_ptr, E: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BB: tl.constexpr, SPLIT: tl.constexpr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr,
-                  ZC: tl.constexpr, ZP: tl.constexpr):
+                  E: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr,
+                  SPLIT: tl.constexpr, N: tl.constexpr, BF16_BITS: tl.constexpr, BN: tl.constexpr):
     c = tl.program_id(0)
-    if SPLIT:  # the programs past the align grid split a hidden row each (and zero its counters)
+    if SPLIT:  # the programs past the align grid split a hidden row each
         if c >= n_align:
             split_row(x_ptr, xd_ptr, xs_ptr, c - n_align, N, BF16_BITS, BN)
-            if ZC > 0:
-                z = tl.arange(0, ZP)
-                tl.store(zero_ptr + (c - n_align) * ZC + z, tl.zeros([ZP], dtype=tl.int32), mask=z < ZC)
             return
     i = tl.arange(0, CH)
     total = tl.zeros([EP], dtype=tl.int32)
@@ -107,12 +102,10 @@ def check_alignment(sorted_ids: torch.Tensor, block_expert: torch.Tensor, block_
     return S
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, split: torch.Tensor | None = None,
-              zero: torch.Tensor | None = None):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, split: torch.Tensor | None = None):
     """(sorted_ids [S] int32, block_expert [S / block_m] int32) for topk_ids [T, k]; see the module docstring.
     split: hidden [T, H] to split into hi + lo E4M3 rows in the same launch (kernels/fp8_split.py, one scale per
-    row), for the FP8 GEMMs; then the FP8Split is returned third. zero (with split only): an int32 [T, C] tensor
-    the same launch sets to zeros."""
+    row), for the FP8 GEMMs; then the FP8Split is returned third."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be an int32 or int64 tensor, got {getattr(topk_ids, 'dtype', topk_ids)}")
     if topk_ids.dim() != 2 or not topk_ids.is_contiguous():
@@ -131,14 +124,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, split: 
                              f"{topk_ids.device}, got {tuple(split.shape)} on {split.device}")
         hidden_split, ptrs, cx = split_rows_args(split, None)
         rows = split.shape[0]
-    ptrs, cx = (*ptrs, topk_ids), dict(cx, ZC=0, ZP=1)
-    if zero is not None:
-        if split is None:
-            raise ValueError("zero rides in the split programs: pass split as well")
-        if not isinstance(zero, torch.Tensor) or zero.dim() != 2:
-            raise ValueError(f"zero must be a [T, C] int32 tensor, got {getattr(zero, 'shape', type(zero).__name__)}")
-        check_tensor("zero", zero, torch.int32, (rows, zero.shape[1]), topk_ids.device)
-        ptrs, cx = (*ptrs[:3], zero), dict(cx, ZC=zero.shape[1], ZP=triton.next_power_of_2(max(zero.shape[1], 1)))
     if P:
         ch = min(triton.next_power_of_2(P), _MAX_CHUNK)
         n_chunks, n_blocks = triton.cdiv(P, ch), S // block_m

@@ -3,9 +3,8 @@ compute one row per (token, expert) pair (warp decode's expert schedule, the exp
 
 Shapes: T tokens, H hidden, k routed experts per token, P = T * k pairs (pair p = t * k + j).
 Layout: part [P, H] fp32 (row p already carries its routing weight) -> out [T, H] bf16.
-One program per (block of H, token) sums the token's k rows one after another in j order: a fixed order, so the
-result is deterministic (no atomics), the only rounding is the final one to BF16 (to nearest even, the
-interpreter's too), and the FP8 down launch's own combine (kernels/moe_down_fp8.py) gets the same bits.
+One program per (block of H, token) sums the token's k rows in j order: a fixed order, so the result is
+deterministic (no atomics), and the only rounding is the final one to BF16.
 Bytes: P * H * 4 read, T * H * 2 written.
 """
 
@@ -14,23 +13,21 @@ import triton
 import triton.language as tl
 
 from kernels.moe_reference import check_tensor
-from kernels.rmsnorm import round_bf16
 
 _BLOCK_H = 256
 
 
 @triton.jit
-def _combine_kernel(part_ptr, out_ptr, H: tl.constexpr, K_TOP: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+def _combine_kernel(part_ptr, out_ptr, H: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr,
+                    PDL: tl.constexpr):
     if PDL:  # launched dependent on the kernel writing `part`: wait for it before reading
         tl.extra.cuda.gdc_wait()
-    t = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(1)
+    j = tl.arange(0, KP)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
-    rows = part_ptr + t * K_TOP * H + h
-    y = tl.load(rows, mask=h < H, other=0.0)
-    for j in tl.static_range(1, K_TOP):
-        y += tl.load(rows + j * H, mask=h < H, other=0.0)
-    tl.store(out_ptr + t * H + h, round_bf16(y, INTERPRET), mask=h < H)
+    m = (j < K_TOP)[:, None] & (h < H)[None, :]
+    y = tl.sum(tl.load(part_ptr + (t * K_TOP + j)[:, None] * H + h[None, :], mask=m, other=0.0), axis=0)
+    tl.store(out_ptr + t * H + h, y.to(tl.bfloat16), mask=h < H)
 
 
 def moe_combine(part: torch.Tensor, out: torch.Tensor, top_k: int, *, pdl: bool = False) -> torch.Tensor:
@@ -44,15 +41,11 @@ def moe_combine(part: torch.Tensor, out: torch.Tensor, top_k: int, *, pdl: bool 
     if T == 0:
         return out
     launch = dict(launch_pdl=True) if pdl else {}
-    _combine_kernel[(triton.cdiv(H, _BLOCK_H), T)](part, out, H, K_TOP=top_k, BH=_BLOCK_H, PDL=pdl,
-                                                   INTERPRET=triton.knobs.runtime.interpret, num_warps=4, **launch)
+    _combine_kernel[(triton.cdiv(H, _BLOCK_H), T)](part, out, H, K_TOP=top_k, KP=triton.next_power_of_2(top_k),
+                                                   BH=_BLOCK_H, PDL=pdl, num_warps=4, **launch)
     return out
 
 
 def moe_combine_reference(part: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The same sum in torch: FP32 over j in j order, rounded once to BF16."""
-    rows = part.view(-1, top_k, part.shape[-1])
-    y = rows[:, 0].clone()
-    for j in range(1, top_k):
-        y += rows[:, j]
-    return y.bfloat16()
+    """The same sum in torch: FP32 over j, rounded once to BF16."""
+    return part.view(-1, top_k, part.shape[-1]).sum(dim=1).bfloat16()

@@ -17,15 +17,8 @@ gate_up's gathered tokens), can come by TMA too (`tma_act`: [2 * BLOCK_M, 32] bo
 taken transposed as the dot's K-major operand): no per-thread loads or address arithmetic left in the K loop. A
 box also brings the padding slots' rows, which cp.async masks to zero; a slot's columns only ever reach its own
 accumulator column, which the store masks, so the outputs are the same bits either way.
-Combine (with `out`): the combine launch (kernels/moe_combine.py) folded into this one. A program that has stored
-its part rows bumps, per pair, the arrival counter of (its token, its n block) (atomic, acq_rel at GPU scope,
-after a CTA barrier); the program that brings a counter to k sums that token's k rows of the block in j order
-(read back through L2, .cg) and stores the BF16 output row block. The same order as the combine launch, whoever
-arrives last: the same bits, deterministic. The counters [T, cdiv(H, BLOCK_N)] int32 come zeroed from the align
-launch (kernels/moe_align.py's `zero`) and are fresh per call, so nothing resets them. One kernel boundary less
-per layer, for an epilogue of one atomic per pair and, in the last arrivals' programs, k loads from L2.
 Bytes: each touched expert's w2 once (H * I * (1 + 1/32)), act read S * I * (2 + 1/32) (mostly from L2), part
-written P * H * 4 (with `out`: read back P * H * 4 from L2, out written T * H * 2).
+written P * H * 4.
 """
 
 import torch
@@ -37,14 +30,12 @@ from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import block_slots, fp8_split_dot, packed_scale, packed_scales, tma_descriptor
 from kernels.mxfp8 import MXFP8Tensor
-from kernels.rmsnorm import round_bf16
 
 
 @triton.jit
 def _down_fp8_kernel(a_ptr, a_desc, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, w_desc, s_ptr, part_ptr, P,
-                     out_ptr, count_ptr, H: tl.constexpr, I: tl.constexpr, F32_DOT: tl.constexpr,
-                     TMA: tl.constexpr, TMA_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, COMBINE: tl.constexpr, K_TOP: tl.constexpr, ATOM_ROWS: tl.constexpr):
+                     H: tl.constexpr, I: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+                     TMA_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -83,42 +74,13 @@ def _down_fp8_kernel(a_ptr, a_desc, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr
     rw = tl.load(rw_ptr + pair, mask=ok, other=0.0).to(tl.float32)
     tl.store(part_ptr + pair[None, :].to(tl.int64) * H + n[:, None], acc * rw[None, :],
              mask=ok[None, :] & n_ok[:, None])
-    if COMBINE:
-        _combine_last(part_ptr, out_ptr, count_ptr, pair, ok, n, n_ok, nb, H, BLOCK_N, K_TOP, ATOM_ROWS, F32_DOT)
-
-
-@triton.jit
-def _combine_last(part_ptr, out_ptr, count_ptr, pair, ok, n, n_ok, nb, H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  K_TOP: tl.constexpr, ATOM_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
-    """The module docstring's combine: count this program's pairs in, and finish the tokens it completes."""
-    tok = pair // K_TOP
-    # One arrival per pair, made from row 0 of an [ATOM_ROWS, BLOCK_M] tile (one element per thread): an atomic on
-    # the [BLOCK_M] vector itself would be issued by one of the threads sharing each element and return 0 to the
-    # others (Triton predicates the copies off), so the old counts are reduced over the tile's rows.
-    r = tl.arange(0, ATOM_ROWS)[:, None]
-    first = (r == 0) & ok[None, :]
-    cnt = count_ptr + (tok * tl.cdiv(H, BLOCK_N) + nb)[None, :] + r * 0
-    tl.debug_barrier()  # every thread's part stores happen before this program's arrivals (released with them)
-    old = tl.atomic_add(cnt, 1, mask=first, sem="acq_rel", scope="gpu")
-    last = ok & (tl.max(tl.where(first, old, -1), axis=0) == K_TOP - 1)
-    tl.debug_barrier()  # the threads that read the other programs' rows see them after the acquiring arrival
-    if tl.max(last.to(tl.int32), axis=0) > 0:
-        m = last[None, :] & n_ok[:, None]
-        rows = part_ptr + (tok * K_TOP)[None, :].to(tl.int64) * H + n[:, None]
-        y = tl.load(rows, mask=m, other=0.0, cache_modifier=".cg")
-        for j in tl.static_range(1, K_TOP):
-            y += tl.load(rows + j * H, mask=m, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + tok[None, :].to(tl.int64) * H + n[:, None], round_bf16(y, INTERPRET), mask=m)
 
 
 def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP8Tensor, part, *, block_m: int,
                  block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3, tma: bool = False,
-                 tma_act: bool = False, out: torch.Tensor | None = None,
-                 counter: torch.Tensor | None = None) -> torch.Tensor:
+                 tma_act: bool = False) -> torch.Tensor:
     """part[p] = topk_weights[p] * w2[e] @ act[s] for the pair p in slot s, e = block_expert[s // block_m];
-    writes `part` [P, H] fp32 and returns it. With `out` [T, H] bf16 (P = T * k) and `counter`, a zeroed int32
-    [T, cdiv(H, block_n)], also combines (the module docstring): out[t] = sum_j part[t * k + j], returned
-    instead; the counter is left at k."""
+    writes and returns `part` [P, H] fp32."""
     device = sorted_ids.device
     if not isinstance(w2, MXFP8Tensor):
         raise TypeError(f"w2 must be an MXFP8Tensor for FP8 dots, got {type(w2).__name__}")
@@ -132,25 +94,12 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
     if block_k % 32 or I % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing I={I}")
     grid = (triton.cdiv(H, block_n), S // block_m)
-    k = 1
-    if out is not None:
-        T = out.shape[0] if out.dim() == 2 else 0
-        if T == 0 or P % T:
-            raise ValueError(f"out must be [T, H] with T dividing the {P} pairs, got {tuple(out.shape)}")
-        k = P // T
-        check_tensor("out", out, torch.bfloat16, (T, H), device)
-        check_tensor("counter", counter, torch.int32, (T, grid[0]), device)
-    elif counter is not None:
-        raise ValueError("counter is the combine's: pass out as well")
     # TMA: [block_n, 32] boxes of w2 viewed [E * H, I]; a box past an expert's H rows reads the next expert's
     # (finite values whose outputs are masked at the store), past the last expert's zeros.
     w_desc = tma_descriptor("w2", w2.data.view(E * H, I), [block_n, 32]) if tma else w2.data
     a_desc = tma_descriptor("act", act.data.view(2 * S, I), [2 * block_m, 32]) if tma_act else act.data
     _down_fp8_kernel[grid](act.data, a_desc, packed_scales(act.scales, block_k), sorted_ids, block_expert,
-                           topk_weights, w2.data, w_desc, packed_scales(w2.scales, block_k), part, P,
-                           part if out is None else out, part if counter is None else counter, H, I,
+                           topk_weights, w2.data, w_desc, packed_scales(w2.scales, block_k), part, P, H, I,
                            F32_DOT=triton.knobs.runtime.interpret, TMA=tma, TMA_ACT=tma_act, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, COMBINE=out is not None, K_TOP=k,
-                           ATOM_ROWS=max(1, 32 * num_warps // block_m), num_warps=num_warps,
-                           num_stages=num_stages)
-    return part if out is None else out
+                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return part

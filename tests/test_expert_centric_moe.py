@@ -24,13 +24,10 @@ from test_warp_decode_moe import DEVICE, _problem
 import kernels.moe_align as align_mod
 from kernels import MXFP8Tensor, moe_reference, mxfp8_quantize
 from kernels.expert_centric_moe import ExpertCentricConfig, GemmConfig, auto_moe, expert_centric_moe
-from kernels.fp8_split import FP8Split, fp8_split_reference
+from kernels.fp8_split import fp8_split_reference
 from kernels.moe_align import moe_align, num_slots
-from kernels.moe_combine import moe_combine
 from kernels.moe_down import moe_down
-from kernels.moe_down_fp8 import moe_down_fp8
 from kernels.moe_gate_up import moe_gate_up
-from kernels.moe_gate_up_fp8 import moe_gate_up_fp8
 from kernels.mx_tiles import e4m3_to, e8m0_to_f32, kmajor_tile_rel, row_scale_max, row_tile_rel
 from kernels.warp_decode_moe import warp_decode_moe
 
@@ -78,10 +75,6 @@ def test_align(monkeypatch, T, k, E, block_m, max_chunk):
     want = fp8_split_reference(hidden)
     assert torch.equal(split.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(split.scales.cpu(), want.scales.reshape(T, 1))
-    # ... and zeroes the down launch's combine counters, whatever they held.
-    counter = torch.full((T, 3), -7, dtype=torch.int32, device=DEVICE)
-    moe_align(ids.to(DEVICE), E, block_m, split=hidden.to(DEVICE), zero=counter)
-    assert not counter.any()
 
 
 def _check(args, out, rel_max=1e-2):
@@ -179,49 +172,6 @@ def test_fp8_matches_reference(case):
     ref = moe_reference(args[0].float(), *args[1:], compute_dtype=torch.float32)
     rel_bf16 = ((_run(args, config=CPU_CONFIG, dequant="bf16") - ref).norm() / ref.norm()).item()
     assert rel <= rel_bf16, (rel, rel_bf16)
-
-
-def _down_fp8_both_ways(args, block_n: int, poison=None):
-    """(part, out) of the FP8 down launch on the 16-row blocks' act: combined by the combine launch, and by the
-    down launch's last arrivals (with the counter's (token, block) entry `poison` started one arrival ahead)."""
-    hidden, weights, ids, w13, w2 = args
-    (T, H), k, E, I = hidden.shape, ids.shape[1], w13.shape[0], w2.shape[-1]
-    counter = torch.full((T, triton.cdiv(H, block_n)), 99, dtype=torch.int32, device=DEVICE)
-    sorted_ids, block_expert, x = moe_align(ids, E, 16, split=hidden, zero=counter)
-    act = FP8Split.empty(sorted_ids.shape[0], I, I // 32, DEVICE)
-    moe_gate_up_fp8(x, sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k, block_m=16, block_n=64,
-                    block_k=32)
-    kw = dict(block_m=16, block_n=block_n, block_k=32)
-    part = moe_down_fp8(act, sorted_ids, block_expert, weights, w2, torch.empty(T * k, H, device=DEVICE), **kw)
-    if poison is not None:
-        counter[poison] = 1
-    part2 = torch.full((T * k, H), float("nan"), device=DEVICE)
-    out = torch.full_like(hidden, float("nan"))
-    assert moe_down_fp8(act, sorted_ids, block_expert, weights, w2, part2, out=out, counter=counter, **kw) is out
-    if poison is None:
-        assert torch.equal(part2, part)
-        assert (counter == k).all(), "every (token, block) counts its k pairs in"
-    return part, out
-
-
-@pytest.mark.parametrize("T,k,E,H,I,block_n", [(7, 3, 6, 96, 160, 64), (17, 2, 6, 96, 96, 32), (5, 1, 12, 160, 96, 64),
-                                               (9, 8, 12, 64, 64, 16)])
-def test_down_fp8_combines_in_its_launch(T, k, E, H, I, block_n):
-    """The down launch's own combine: the combine launch's bits (j order, one rounding), blocks past H included.
-    A counter started one arrival ahead makes that block's sum run before its last row lands (the NaN-poisoned
-    part; the interpreter runs the programs in order) and the true last arrival skip it: the output there is not
-    the combine's, so the counters decide."""
-    args = _problem(T=T, k=k, E=E, H=H, I=I, mx=True, ids=_skewed_ids(T) if (k, E) == (2, 6) else None, seed=T)
-    part, out = _down_fp8_both_ways(args, block_n)
-    want = moe_combine(part, torch.empty_like(out), k)
-    assert torch.equal(out, want)
-    if DEVICE != "cpu":  # programs run concurrently: the early sum may find every row there
-        return
-    t = T // 2
-    _, bad = _down_fp8_both_ways(args, block_n, poison=(t, 0))
-    spoiled = ~torch.eq(bad, want)
-    assert spoiled[t, :block_n].all() and not spoiled[t, block_n:].any() and not spoiled[:t].any()
-    assert not spoiled[t + 1:].any()
 
 
 @triton.jit
@@ -445,23 +395,6 @@ def test_launcher_errors():
         moe_align(ids, 5, 12)
     with pytest.raises(ValueError, match="split must be the"):
         moe_align(ids, 5, 16, split=torch.zeros(ids.shape[0] + 1, 32, dtype=torch.bfloat16, device=ids.device))
-    with pytest.raises(ValueError, match="zero rides in the split"):
-        moe_align(ids, 5, 16, zero=torch.zeros(3, 2, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="zero must have shape"):
-        moe_align(ids, 5, 16, split=hidden, zero=torch.zeros(4, 2, dtype=torch.int32, device=DEVICE))
-    sorted_ids, block_expert, x = moe_align(ids, 5, 16, split=hidden)
-    act = FP8Split.empty(sorted_ids.shape[0], 96, 3, DEVICE)
-    part = torch.empty(6, 96, device=DEVICE)
-    down = dict(block_m=16, block_n=64, block_k=32)
-    with pytest.raises(ValueError, match="counter must have shape"):
-        moe_down_fp8(act, sorted_ids, block_expert, weights, w2, part, out=torch.empty_like(hidden),
-                     counter=torch.zeros(3, 1, dtype=torch.int32, device=DEVICE), **down)
-    with pytest.raises(ValueError, match="pass out as well"):
-        moe_down_fp8(act, sorted_ids, block_expert, weights, w2, part,
-                     counter=torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), **down)
-    with pytest.raises(ValueError, match="T dividing"):
-        moe_down_fp8(act, sorted_ids, block_expert, weights, w2, part, out=torch.empty(4, 96, device=DEVICE),
-                     counter=torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), **down)
     sorted_ids, block_expert = moe_align(ids, 5, 16)
     with pytest.raises(TypeError, match="act"):
         moe_gate_up(hidden, sorted_ids, block_expert, w13, torch.empty(sorted_ids.shape[0], 96, device=DEVICE),
@@ -528,22 +461,9 @@ def test_gpu_qwen3_30b_shape_dequant(dequant, T):
     graph, static = torch.cuda.CUDAGraph(), torch.empty_like(args[0])
     with torch.cuda.graph(graph):
         expert_centric_moe(*args, dequant=dequant, out=static)
-    for _ in range(2):  # the second replay too: fp8's combine counters start from zero every time
-        static.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static.float(), out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,block_n", [(16, 256), (64, 256), (256, 128)])
-def test_gpu_down_fp8_combines_in_its_launch_30b_shape(T, block_n):
-    """At the 30B shape, with the tuned tables' n blocks: the down launch's own combine gives the combine launch's
-    bits, with thousands of programs arriving concurrently, every run."""
-    args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=True, device="cuda", seed=30 + T)
-    for _ in range(3):
-        part, out = _down_fp8_both_ways(args, block_n)
-        assert torch.equal(out, moe_combine(part, torch.empty_like(out), 8))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.float(), out)
 
 
 def test_tma_refuses_misaligned_weights_and_other_modes():
