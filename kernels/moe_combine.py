@@ -3,7 +3,7 @@ compute one row per (token, expert) pair (warp decode's expert schedule, the exp
 
 Shapes: T tokens, H hidden, k routed experts per token, P = T * k pairs (pair p = t * k + j).
 Layout: part [P, H] fp32 (row p already carries its routing weight) -> out [T, H] bf16.
-One program per (block of H, token) sums the token's k rows in j order: a fixed order, so the result is
+One program per (block of H, token) sums the token's k rows in a fixed order (one tree reduction), so the result is
 deterministic (no atomics), and the only rounding is the final one to BF16.
 Bytes: P * H * 4 read, T * H * 2 written.
 """
