@@ -5,7 +5,7 @@ PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
 	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-sampler bench-decode profile-decode \
-	gpu-decode gpu-multi bench-prefill gpu-prefill ab-base ab-moe gpu-ab
+	gpu-decode gpu-multi bench-prefill gpu-prefill ab-base ab-moe gpu-ab gpu-targets
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
 	$(PY) -m pip install -q torch==2.13.0
@@ -86,6 +86,9 @@ gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (need
 
 gpu-ab:  ## on the GPU machine, .ab_base carried: MoE GPU tests, ab_moe, bench_decode steps on base / new / base
 	bash jobs/gpu_ab.sh
+
+gpu-targets:  ## on the GPU machine: bench_moe (decode T) and bench_decode steps, every open target in ~4 minutes
+	bash jobs/gpu_targets.sh
 
 gpu-decode:  ## on the GPU machine: dense-path and CUDA-graph GPU tests, bench_skinny, bench_attention, profile, bench_decode
 	bash jobs/gpu_decode.sh
