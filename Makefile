@@ -87,7 +87,7 @@ gpu-sync:  ## on the GPU machine: the gpu weight-sync tests and bench_sync (need
 gpu-ab:  ## on the GPU machine, .ab_base carried: MoE GPU tests, ab_moe, bench_decode steps on base / new / base
 	bash jobs/gpu_ab.sh
 
-gpu-targets:  ## on the GPU machine: bench_moe (decode T) and bench_decode steps, every open target in ~4 minutes
+gpu-targets:  ## on the GPU machine: bench_moe (decode T) and bench_decode steps, every open target in <= 5 minutes
 	bash jobs/gpu_targets.sh
 
 gpu-decode:  ## on the GPU machine: dense-path and CUDA-graph GPU tests, bench_skinny, bench_attention, profile, bench_decode

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where every open performance target stands, on the shipped code, in one short device call (~4 minutes): bench_moe
+# Where every open performance target stands, on the shipped code, in one short device call (<= 5 minutes): bench_moe
 # at the decode T for warp decode's auto schedule, expert_centric and kernel=auto (issue 3's µs per layer, issue 5's
 # against vLLM's quoted times; MOE_ARGS="--prefill" adds issue 5's prefill T, ~2 minutes more), then bench_decode's
 # steps at c = 1k for the three kernel paths (issue 6's roofline % and warp decode over expert-centric). For the
