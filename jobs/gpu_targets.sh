@@ -9,8 +9,8 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee "$out/gpu.txt"
-timeout "${MOE_S:-120}" python3 jobs/bench_moe.py --out "$out/moe" --shapes qwen3-30b-a3b --tokens 1,2,4,8,16,32,64 \
+timeout "${MOE_S:-100}" python3 jobs/bench_moe.py --out "$out/moe" --shapes qwen3-30b-a3b --tokens 1,2,4,8,16,32,64 \
   --paths auto,expert_centric,kernel_auto --no-sweep ${MOE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/bench_moe.log" \
   | tail -30
-timeout "${DECODE_S:-180}" python3 jobs/bench_decode.py --sections steps --contexts 1024 --batches 1,8,32,64 \
+timeout "${DECODE_S:-200}" python3 jobs/bench_decode.py --sections steps --contexts 1024 --batches 1,8,32,64 \
   --out "$out/decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/bench_decode.log" | tail -16
