@@ -25,7 +25,7 @@ dequant "f16_rel" (MXFP8 weights only) runs both GEMMs' dots in FP16 on chunk-re
 (kernels/mx_tiles.py: cheaper MXFP8 dequantization, exact within the bounds documented there); opt-in (7% faster at
 T = 64-128 on the H200, slower at prefill). dequant "fp8" (MXFP8 weights only) does no dequantization: FP8
 tensor-core dots on the weights as stored, the activations split into hi + lo E4M3 terms (kernels/fp8_split.py:
-hidden per token in one more launch, act per 32 by the gate_up epilogue), each 32-wide K group's dot promoted into
+hidden per token by the align launch, act per 32 by the gate_up epilogue), each 32-wide K group's dot promoted into
 the FP32 accumulator times its scales (kernels/moe_gate_up_fp8.py, kernels/moe_down_fp8.py): 6-26% faster than
 BF16 dots at T = 8-512 on the H200 and closer to FP32 (1.78e-3 against 2.35e-3), slower at prefill sizes; dequant
 "auto" (the default) takes it up to FP8_MAX_TOKENS.
