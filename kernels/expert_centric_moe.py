@@ -55,7 +55,7 @@ from kernels.moe_down_fp8 import moe_down_fp8
 from kernels.moe_gate_up import moe_gate_up
 from kernels.moe_gate_up_fp8 import moe_gate_up_fp8
 from kernels.moe_reference import check_kernel_args, check_tensor, weight_parts
-from kernels.mx_tiles import DEQUANT_MODES, check_asm_scales
+from kernels.mx_tiles import DEQUANT_MODES
 from kernels.mxfp8 import MXFP8Tensor, mxfp8_quantize
 from kernels.warp_decode_moe import warp_decode_moe
 
@@ -83,7 +83,6 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False
     tma_act: bool = False
-    asm_scales: bool = False
 
     def __post_init__(self):
         # tl.dot needs every dimension >= 16; tiles load as [block_k / 32, 32] groups, a power of two of them.
@@ -99,8 +98,7 @@ class ExpertCentricConfig:
     rows per program (the MMA's M dimension); block_k: reduction step (a multiple of 32); tma (dequant "fp8" only):
     the weight tiles come by TMA (the copy engine, one instruction per box) instead of per-thread cp.async; tma_act
     (down with dequant "fp8" only): the activation tiles too (gate_up's are gathered token rows, which TMA cannot
-    load on sm_90); asm_scales (dequant "fp8" only, GPU only): the scale words by inline PTX
-    (kernels/mx_tiles.load_scale_words), prepared and not yet measured (docs/perf.md), so no table sets it."""
+    load on sm_90)."""
 
     block_m: int = 64
     gate_up: GemmConfig = field(default_factory=GemmConfig)
@@ -260,14 +258,12 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if cfg.gate_up.tma_act:
         raise ValueError("tma_act is a tile option of down only: gate_up gathers its tokens' rows")
     if dequant == "fp8":
-        check_asm_scales(cfg.gate_up.asm_scales or cfg.down.asm_scales)
         _fp8_gemms(hidden, topk_weights, *moe_align(topk_ids, E, cfg.block_m, split=hidden), w13, w2, cfg, out)
         return out
     sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
     S = sorted_ids.shape[0]
-    if cfg.gate_up.tma or cfg.down.tma or cfg.down.tma_act or cfg.gate_up.asm_scales or cfg.down.asm_scales:
-        raise ValueError(f"tma, tma_act and asm_scales are tile options of dequant 'fp8' only, got dequant "
-                         f"{dequant!r}")
+    if cfg.gate_up.tma or cfg.down.tma or cfg.down.tma_act:
+        raise ValueError(f"tma and tma_act are tile options of dequant 'fp8' only, got dequant {dequant!r}")
     mx_act = act_dtype == "mxfp8"
     x = mxfp8_quantize(hidden) if mx_act else hidden
     # Zeros for the quantizer's sake: rows of blocks past the last expert are never written (nor read).
@@ -295,11 +291,11 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8
     g, d = cfg.gate_up, cfg.down
     moe_gate_up_fp8(hidden_split, sorted_ids, block_expert, w13, act, num_pairs=T * k, top_k=k,
                     block_m=cfg.block_m, block_n=g.block_n, block_k=math.gcd(g.block_k, H), num_warps=g.num_warps,
-                    num_stages=g.num_stages, tma=g.tma, asm_scales=g.asm_scales)
+                    num_stages=g.num_stages, tma=g.tma)
     part = torch.empty((T * k, H), dtype=torch.float32, device=dev)
     moe_down_fp8(act, sorted_ids, block_expert, topk_weights, w2, part, block_m=cfg.block_m,
                  block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages,
-                 tma=d.tma, tma_act=d.tma_act, asm_scales=d.asm_scales)
+                 tma=d.tma, tma_act=d.tma_act)
     moe_combine(part, out, k)
 
 

@@ -28,23 +28,14 @@ import triton.language as tl
 from kernels.fp8_split import FP8Split
 from kernels.moe_align import check_alignment
 from kernels.moe_reference import check_tensor
-from kernels.mx_tiles import (
-    block_slots,
-    check_asm_scales,
-    fp8_split_dot,
-    load_scale_words,
-    packed_scale,
-    packed_scales,
-    tma_descriptor,
-)
+from kernels.mx_tiles import block_slots, fp8_split_dot, packed_scale, packed_scales, tma_descriptor
 from kernels.mxfp8 import MXFP8Tensor
 
 
 @triton.jit
 def _down_fp8_kernel(a_ptr, a_desc, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr, d_ptr, w_desc, s_ptr, part_ptr, P,
-                     H: tl.constexpr, I: tl.constexpr, F32_DOT: tl.constexpr, ASM_SCALES: tl.constexpr,
-                     TMA: tl.constexpr, TMA_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     H: tl.constexpr, I: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+                     TMA_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -61,27 +52,14 @@ def _down_fp8_kernel(a_ptr, a_desc, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr
     c = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # The scale words are loaded one step ahead (in registers: cp.async pipelines only the dots' operands), so
-    # their latency hides behind a step of dots instead of stalling the promotion. ASM_SCALES: by inline PTX
-    # (mx_tiles.load_scale_words; rows past H clamped, a padding slot's row of act.scales read and zeroed, the last
-    # step reloads its own words).
-    if ASM_SCALES:
-        w_words = ws + tl.where(n_ok, n, 0) * (I // BLOCK_K)
-        a_words = as_ptr + slot * (I // BLOCK_K)
-        sw_next = load_scale_words(w_words, n_ok)
-        sa_next = load_scale_words(a_words, ok)
-    else:
-        sw_next = tl.load(ws + n * (I // BLOCK_K), mask=n_ok, other=0)
-        sa_next = tl.load(as_ptr + slot * (I // BLOCK_K), mask=ok, other=0)
+    # their latency hides behind a step of dots instead of stalling the promotion.
+    sw_next = tl.load(ws + n * (I // BLOCK_K), mask=n_ok, other=0)
+    sa_next = tl.load(as_ptr + slot * (I // BLOCK_K), mask=ok, other=0)
     for k0 in range(0, I, BLOCK_K):
         sw, sa = sw_next, sa_next
-        if ASM_SCALES:
-            nxt = tl.minimum(k0 + BLOCK_K, I - BLOCK_K) // BLOCK_K
-            sw_next = load_scale_words(w_words + nxt, n_ok)
-            sa_next = load_scale_words(a_words + nxt, ok)
-        else:
-            more = k0 + BLOCK_K < I
-            sw_next = tl.load(ws + n * (I // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=n_ok & more, other=0)
-            sa_next = tl.load(as_ptr + slot * (I // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=ok & more, other=0)
+        more = k0 + BLOCK_K < I
+        sw_next = tl.load(ws + n * (I // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=n_ok & more, other=0)
+        sa_next = tl.load(as_ptr + slot * (I // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=ok & more, other=0)
         for j in tl.static_range(BLOCK_K // 32):
             kk = k0 + j * 32 + c
             if TMA_ACT:
@@ -100,7 +78,7 @@ def _down_fp8_kernel(a_ptr, a_desc, as_ptr, sorted_ptr, block_expert_ptr, rw_ptr
 
 def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP8Tensor, part, *, block_m: int,
                  block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3, tma: bool = False,
-                 tma_act: bool = False, asm_scales: bool = False) -> torch.Tensor:
+                 tma_act: bool = False) -> torch.Tensor:
     """part[p] = topk_weights[p] * w2[e] @ act[s] for the pair p in slot s, e = block_expert[s // block_m];
     writes and returns `part` [P, H] fp32."""
     device = sorted_ids.device
@@ -115,7 +93,6 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
         raise ValueError(f"topk_weights must be contiguous, got strides {topk_weights.stride()}")
     if block_k % 32 or I % block_k:
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing I={I}")
-    check_asm_scales(asm_scales)
     grid = (triton.cdiv(H, block_n), S // block_m)
     # TMA: [block_n, 32] boxes of w2 viewed [E * H, I]; a box past an expert's H rows reads the next expert's
     # (finite values whose outputs are masked at the store), past the last expert's zeros.
@@ -123,7 +100,6 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
     a_desc = tma_descriptor("act", act.data.view(2 * S, I), [2 * block_m, 32]) if tma_act else act.data
     _down_fp8_kernel[grid](act.data, a_desc, packed_scales(act.scales, block_k), sorted_ids, block_expert,
                            topk_weights, w2.data, w_desc, packed_scales(w2.scales, block_k), part, P, H, I,
-                           F32_DOT=triton.knobs.runtime.interpret, ASM_SCALES=asm_scales, TMA=tma, TMA_ACT=tma_act,
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                           num_stages=num_stages)
+                           F32_DOT=triton.knobs.runtime.interpret, TMA=tma, TMA_ACT=tma_act, BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return part

@@ -31,24 +31,14 @@ import triton.language as tl
 
 from kernels.fp8_split import FP8Split, split_codes, split_e4m3
 from kernels.moe_align import check_alignment
-from kernels.mx_tiles import (
-    block_slots,
-    check_asm_scales,
-    e8m0_to_f32,
-    fp8_split_dot,
-    load_scale_words,
-    packed_scale,
-    packed_scales,
-    tma_descriptor,
-)
+from kernels.mx_tiles import block_slots, e8m0_to_f32, fp8_split_dot, packed_scale, packed_scales, tma_descriptor
 from kernels.mxfp8 import MXFP8Tensor
 
 
 @triton.jit
 def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, w_desc, s_ptr, a_ptr, as_ptr, P,
-                        H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, F32_DOT: tl.constexpr,
-                        ASM_SCALES: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -68,20 +58,12 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, w_de
     c = tl.arange(0, 32)
     acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
     # The scale words are loaded one step ahead (in registers: cp.async pipelines only the dots' operands), so
-    # their latency hides behind a step of dots instead of stalling the promotion. ASM_SCALES: by inline PTX
-    # (mx_tiles.load_scale_words; rows past I clamped, the last step reloads its own words).
-    if ASM_SCALES:
-        srow = ws + tl.where(r_ok, wrow, 0) * (H // BLOCK_K)
-        s_next = load_scale_words(srow, r_ok)
-    else:
-        s_next = tl.load(ws + wrow * (H // BLOCK_K), mask=r_ok, other=0)
+    # their latency hides behind a step of dots instead of stalling the promotion.
+    s_next = tl.load(ws + wrow * (H // BLOCK_K), mask=r_ok, other=0)
     for k0 in range(0, H, BLOCK_K):
         sw = s_next
-        if ASM_SCALES:
-            s_next = load_scale_words(srow + tl.minimum(k0 + BLOCK_K, H - BLOCK_K) // BLOCK_K, r_ok)
-        else:
-            s_next = tl.load(ws + wrow * (H // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=r_ok & (k0 + BLOCK_K < H),
-                             other=0)
+        s_next = tl.load(ws + wrow * (H // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=r_ok & (k0 + BLOCK_K < H),
+                         other=0)
         for j in tl.static_range(BLOCK_K // 32):
             kk = k0 + j * 32 + c
             x = tl.load(x_ptr + xrow[None, :] * H + kk[:, None], mask=col_ok[None, :], other=0.0)
@@ -108,7 +90,7 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, w_de
 
 def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act: FP8Split, *, num_pairs: int,
                     top_k: int, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
-                    num_stages: int = 3, tma: bool = False, asm_scales: bool = False) -> FP8Split:
+                    num_stages: int = 3, tma: bool = False) -> FP8Split:
     """act[s] = split(silu(hidden[t] @ gate[e].T) * (hidden[t] @ up[e].T)) for the pair t * k + j in slot s, routed
     to expert e = block_expert[s // block_m]; writes and returns `act`. x: the hidden rows split per token."""
     device = sorted_ids.device
@@ -123,13 +105,11 @@ def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act
     if block_k % 32 or H % block_k or block_n % 32 or I % 32:
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing H={H}, and block_n={block_n} and "
                          f"I={I} multiples of 32 (the scale groups)")
-    check_asm_scales(asm_scales)
     grid = (triton.cdiv(I, block_n), S // block_m)
     # TMA: the step's gate and up rows as one [1, 2, block_n, 32] box of w13 viewed [E, 2, I, H] (rows past I read 0).
     w_desc = tma_descriptor("w13", w13.data.view(E, 2, I, H), [1, 2, block_n, 32]) if tma else w13.data
     _gate_up_fp8_kernel[grid](x.data, x.scales, sorted_ids, block_expert, w13.data, w_desc,
                               packed_scales(w13.scales, block_k), act.data.view(torch.uint8), act.scales, num_pairs, H,
-                              I, K_TOP=top_k, F32_DOT=triton.knobs.runtime.interpret,
-                              ASM_SCALES=asm_scales, TMA=tma, BLOCK_M=block_m,
+                              I, K_TOP=top_k, F32_DOT=triton.knobs.runtime.interpret, TMA=tma, BLOCK_M=block_m,
                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return act

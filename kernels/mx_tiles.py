@@ -191,39 +191,6 @@ def packed_scales(scales: torch.Tensor, block_k: int) -> torch.Tensor:
 
 
 @triton.jit
-def load_scale_words(ptrs, ok):
-    """The packed scale words at `ptrs` by inline PTX (GPU only: check_asm_scales), 0 where not `ok` (every pointer
-    must be valid: callers clamp rows outside `ok`); int32, or int64 for 8 groups a word. The FP8 GEMMs' `asm_scales`.
-
-    Why: a tl.load of a [rows] vector gets the coalescer's one-row-per-thread layout while the promotion needs
-    each thread's accumulator rows, so Triton converts the words through shared memory in every K step (a store, a
-    barrier and loads, in the sm_90 SASS of both FP8 GEMMs). An inline-asm load has no layout of its own and takes
-    its use's: each thread loads its own rows' words (a quad's repeats hit L1), and the shared round trip leaves the
-    loop (jobs/sass_report.py). Prepared, not yet measured on a GPU (docs/perf.md, 2026-12-07 third session), so
-    it is a tile option."""
-    bits: tl.constexpr = ptrs.dtype.element_ty.primitive_bitwidth
-    if bits == 64:
-        words = tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=True,
-                                          pack=1)
-    elif bits == 32:
-        words = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
-                                          pack=1)
-    elif bits == 16:  # the narrow words widened to 32 bits in the register (PTX's ld widens integers)
-        words = tl.inline_asm_elementwise("ld.global.nc.u16 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
-                                          pack=1)
-    else:
-        words = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
-                                          pack=1)
-    return tl.where(ok, words, 0)
-
-
-def check_asm_scales(asm_scales: bool) -> None:
-    """Refuses asm_scales where it cannot run: Triton's interpreter executes no PTX."""
-    if asm_scales and triton.knobs.runtime.interpret:
-        raise ValueError("asm_scales loads the scale words by inline PTX, which Triton's interpreter cannot run")
-
-
-@triton.jit
 def packed_scale(words, j: tl.constexpr):
     """2^(code - 127) of byte j of each word from `packed_scales` (little-endian: byte j is group j of the step)."""
     if words.dtype.primitive_bitwidth == 64:

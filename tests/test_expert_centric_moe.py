@@ -474,29 +474,14 @@ def test_tma_refuses_misaligned_weights_and_other_modes():
     tma = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True))
     with pytest.raises(ValueError, match="w13 for TMA needs a 16-byte aligned base"):
         expert_centric_moe(*args[:3], shifted, args[4], config=tma, dequant="fp8")
-    with pytest.raises(ValueError, match="tma, tma_act and asm_scales are tile options of dequant 'fp8' only"):
+    with pytest.raises(ValueError, match="tma and tma_act are tile options of dequant 'fp8' only"):
         expert_centric_moe(*args, config=tma, dequant="bf16")
     act_boxes = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32, tma_act=True))
-    with pytest.raises(ValueError, match="tma, tma_act and asm_scales are tile options of dequant 'fp8' only"):
+    with pytest.raises(ValueError, match="tma and tma_act are tile options of dequant 'fp8' only"):
         expert_centric_moe(*args, config=act_boxes, dequant="bf16")
     gathered = ExpertCentricConfig(16, GemmConfig(64, 32, tma_act=True), GemmConfig(64, 32))
     with pytest.raises(ValueError, match="tma_act is a tile option of down only"):
         expert_centric_moe(*args, config=gathered, dequant="fp8")
-    asm = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32, asm_scales=True))
-    with pytest.raises(ValueError, match="tma, tma_act and asm_scales are tile options of dequant 'fp8' only"):
-        expert_centric_moe(*args, config=asm, dequant="bf16")
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's refusal")
-@pytest.mark.parametrize("kernel", ["gate_up", "down"])
-def test_asm_scales_refused_by_the_interpreter(kernel):
-    """Inline PTX cannot run under Triton's interpreter: asm_scales is refused before any launch, not ignored."""
-    args = _problem(T=3, k=2, E=5, H=96, I=160, mx=True, seed=7)
-    gemm = GemmConfig(64, 32, asm_scales=True)
-    cfg = ExpertCentricConfig(16, gemm if kernel == "gate_up" else GemmConfig(64, 32),
-                              gemm if kernel == "down" else GemmConfig(64, 32))
-    with pytest.raises(ValueError, match="asm_scales loads the scale words by inline PTX"):
-        expert_centric_moe(*args, config=cfg, dequant="fp8")
 
 
 @pytest.mark.gpu
@@ -509,20 +494,6 @@ def test_gpu_tma_matches_cp_async(T):
                                                                   GemmConfig(64, 128, tma=tma, tma_act=act)))
             for tma, act in ((True, True), (True, False), (False, False))]
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 37, 64])
-def test_gpu_asm_scales_match_loads(T):
-    """Scale words by inline PTX (asm_scales) at the 30B shape, with 16- and 32-bit words (block_k 64 / 128), TMA
-    and cp.async weights, down at the table's tiles (n256 k64 TMA, n64 k128 cp.async; n256 k128 spills): the same
-    words reach the same arithmetic, so the same bits as tl.load's."""
-    args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=True, device="cuda", seed=60 + T)
-    for bk, tma, down_n in ((64, True, 256), (128, False, 64)):
-        outs = [_run(args, dequant="fp8", config=ExpertCentricConfig(16, GemmConfig(64, bk, tma=tma, asm_scales=asm),
-                                                                      GemmConfig(down_n, bk, tma=tma, asm_scales=asm)))
-                for asm in (False, True)]
-        assert torch.equal(outs[0], outs[1]), (bk, tma)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "kernels.moe_gate_up_fp8:_gate_up_fp8_kernel"
 SIG = ("x_ptr=*fp8e4nv,xs_ptr=*u8,sorted_ptr=*i32,block_expert_ptr=*i32,d_ptr=*fp8e4nv,"
        "w_desc=tensordesc<fp8e4nv[1, 2, 64, 32]>,s_ptr=*i16,a_ptr=*u8,as_ptr=*u8")
-CONST = "H=2048,I=768,K_TOP=8,F32_DOT=False,ASM_SCALES=False,TMA=True,BLOCK_M=16,BLOCK_N=64,BLOCK_K=64"
+CONST = "H=2048,I=768,K_TOP=8,F32_DOT=False,TMA=True,BLOCK_M=16,BLOCK_N=64,BLOCK_K=64"
 
 
 def _run(*args):
