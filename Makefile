@@ -1,10 +1,10 @@
 # composer-rollout: make install | test | lint | rollout | rl-demo | generate | bench-load | bench-moe | bench-requant |
-# bench-sync | bench-attention | bench-skinny | bench-router | bench-sampler | bench-decode | bench-prefill | profile-decode |
-# ab-base | ab-moe | gpu-*
+# bench-sync | bench-attention | bench-skinny | bench-router | bench-sampler | bench-launch-floor | bench-decode | bench-prefill |
+# profile-decode | ab-base | ab-moe | gpu-*
 PY ?= python3
 
 .PHONY: install test lint rollout generate bench-load bench-moe bench-requant gpu-foundation gpu-warp-decode gpu-rollout \
-	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-sampler bench-decode profile-decode \
+	rl-demo bench-sync gpu-sync gpu-expert-centric gpu-expert-centric-fp8 bench-attention bench-skinny bench-router bench-sampler bench-launch-floor bench-decode profile-decode \
 	gpu-decode gpu-multi bench-prefill gpu-prefill ab-base ab-moe gpu-ab gpu-targets
 
 install:  ## CPU torch from the local wheel, then the package with its test tools
@@ -53,6 +53,9 @@ bench-skinny:  ## skinny_linear (a decode step's projections and router gate) ag
 
 bench-router:  ## the decode router's forms per T (one launch vs norm + gate GEMM + top-k), sets FUSED_ROUTER_MAX_T (GPU)
 	$(PY) jobs/bench_router.py $(ARGS)
+
+bench-launch-floor:  ## a B = 1 decode layer's launches as perfect weight streams: the floor of that launch chain (GPU)
+	$(PY) jobs/bench_launch_floor.py $(ARGS)
 
 bench-sampler:  ## the decode step's unfiltered sampler (kernels/gumbel_sample.py) against its torch form, per batch (GPU)
 	$(PY) jobs/bench_sampler.py $(ARGS)
