@@ -10,11 +10,11 @@ Rows:
 - one size: LAUNCHES reads of S MB back to back, µs per launch, and the µs above S over the ceiling ("fixed");
 - layer: the seven B = 1 launches in order over --layers layers, µs per layer against the bytes over the ceiling,
   and the same bytes as one read per layer (what a one-launch layer could reach).
-The layer's sizes (30B shape, c = 1k, MXFP8 experts): qkv 2048 x 5120 BF16, KV 1024 keys x 4 heads x 128 x 2 x
-BF16, the split workspace 32 heads x 16 splits x 132 FP32, o_proj 4096 x 2048 BF16, router gate 128 x 2048 BF16,
-8 experts' gate_up and down in MXFP8 with their E8M0 scales.
+The layer's sizes come from the model preset (`--preset`, default the 30B shape) at `--context` keys, MXFP8
+experts: the qkv and o_proj weights in BF16, the row's K and V in BF16, the split workspace the combine reads (one
+64-key split per program at B = 1), the router gate in BF16, k experts' gate_up and down with their E8M0 scales.
 
-Usage: PYTHONPATH=. python3 jobs/bench_launch_floor.py --out DIR [--layers 16]
+Usage: PYTHONPATH=. python3 jobs/bench_launch_floor.py --out DIR [--layers 16] [--preset qwen3_30b_a3b] [--context 1024]
 (prints a table, writes DIR/bench_launch_floor.json and .png, ends with one JSON line)
 """
 
@@ -25,18 +25,32 @@ import os
 import torch
 import triton
 
+from composer_rollout.model import preset
 from jobs.bench_moe import _read_kernel, read_ceiling_tbs, time_graph
+from kernels.decode_attention import workspace_shape
 
 MB = 1e6
-LAYER_LAUNCHES = (
-    ("qkv", 2048 * 5120 * 2),
-    ("attention split", 1024 * 4 * 128 * 2 * 2),
-    ("attention combine", 32 * 16 * 132 * 4),
-    ("o_proj", 4096 * 2048 * 2),
-    ("router", 128 * 2048 * 2),
-    ("gate_up", 8 * 2 * 768 * 2048 * 33 // 32),
-    ("down", 8 * 2048 * 768 * 33 // 32),
-)
+KEYS_PER_SPLIT = 64  # decode_attention at B = 1: every split is one block of keys (its _BLOCK_N)
+
+
+def layer_launches(args, context: int) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of each launch of a B = 1 decode layer, in order."""
+    H, D, hq, hkv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
+    I, k = args.moe_intermediate_size, args.num_experts_per_tok
+    mx = 33 / 32  # an E4M3 byte per weight plus an E8M0 scale per 32
+    splits = -(-context // KEYS_PER_SPLIT)
+    ws = workspace_shape(1, hq, D, splits)
+    return (
+        ("qkv", H * (hq + 2 * hkv) * D * 2),
+        ("attention split", context * hkv * D * 2 * 2),
+        ("attention combine", ws[1] * ws[2] * ws[3] * 4),
+        ("o_proj", hq * D * H * 2),
+        ("router", args.num_experts * H * 2),
+        ("gate_up", int(k * 2 * I * H * mx)),
+        ("down", int(k * H * I * mx)),
+    )
+
+
 SIZES_MB = (0.25, 0.5, 1, 2, 4, 8, 13, 17, 21, 26, 39, 64)
 LAUNCHES = 16
 
@@ -79,18 +93,18 @@ def bench_sizes(ceiling, reps, gen):
     return rows
 
 
-def bench_layer(ceiling, layers, reps, gen):
-    chain = [[Read(b, gen) for _, b in LAYER_LAUNCHES] for _ in range(layers)]
+def bench_layer(launches, ceiling, layers, reps, gen):
+    chain = [[Read(b, gen) for _, b in launches] for _ in range(layers)]
     assert all(r.check() for r in chain[0]), "a layer read summed wrongly"
-    per_launch = [chain_us([layer[i] for layer in chain], reps) / layers for i in range(len(LAYER_LAUNCHES))]
+    per_launch = [chain_us([layer[i] for layer in chain], reps) / layers for i in range(len(launches))]
     layer_us = chain_us([r for layer in chain for r in layer], reps) / layers
-    total = sum(b for _, b in LAYER_LAUNCHES)
+    total = sum(b for _, b in launches)
     del chain
     one = [Read(total, gen) for _ in range(layers)]
     one_us = chain_us(one, reps) / layers
     byte_us = total / (ceiling * 1e6)
     return dict(mb=total / MB, byte_us=byte_us, layer_us=layer_us, one_launch_us=one_us,
-                launches={name: us for (name, _), us in zip(LAYER_LAUNCHES, per_launch, strict=True)})
+                launches={name: us for (name, _), us in zip(launches, per_launch, strict=True)})
 
 
 def plot(rows, ceiling, out_dir):
@@ -114,7 +128,10 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--preset", default="qwen3_30b_a3b")
+    parser.add_argument("--context", type=int, default=1024)
     args = parser.parse_args()
+    launches = layer_launches(preset(args.preset), args.context)
     if not torch.cuda.is_available():
         raise SystemExit("bench_launch_floor needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -125,8 +142,8 @@ def main():
     print(f"{'MB':>6} {'µs/launch':>10} {'bytes µs':>9} {'fixed µs':>9} {'% ceiling':>9}")
     for r in rows:
         print(f"{r['mb']:6.2f} {r['us']:10.2f} {r['byte_us']:9.2f} {r['fixed_us']:9.2f} {r['pct']:9.1f}")
-    layer = bench_layer(ceiling, args.layers, args.reps, gen)
-    print(f"B = 1 layer, {layer['mb']:.1f} MB: 7 launches {layer['layer_us']:.2f} µs, one launch "
+    layer = bench_layer(launches, ceiling, args.layers, args.reps, gen)
+    print(f"B = 1 layer, {layer['mb']:.1f} MB: {len(launches)} launches {layer['layer_us']:.2f} µs, one launch "
           f"{layer['one_launch_us']:.2f} µs, bytes over the ceiling {layer['byte_us']:.2f} µs")
     for name, us in layer["launches"].items():
         print(f"  {name:18s} {us:7.2f} µs")
