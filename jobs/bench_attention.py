@@ -9,6 +9,10 @@ same run.
   matmul rate. Baseline: torch's flash SDPA (causal, K/V already expanded to Hq heads, outside the timing) on the
   same q, k, v: the library call the issue asks us to match.
 
+--sweep also times decode's (num_splits, num_stages) variants beside the shipped choice at each (B, c), each
+against the shipped time (rows "decode_variant", the JSON line's best_variant), for retuning default_num_splits and
+the key loop's pipeline depth.
+
 Every timing is the median of CUDA-graph replays on random data (decode: per call, of a graph of up to 8 calls on
 distinct caches). Prints a table, writes bench_attention.png and .json under --out, ends with one JSON line.
 """
@@ -24,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jobs.bench_moe import bf16_matmul_tflops, read_ceiling_tbs, time_graph
 from kernels import cache_attention_reference, decode_attention, prefill_attention
+from kernels.decode_attention import default_num_splits, default_num_stages
 
 SHAPES = {"qwen3-30b-a3b": dict(Hq=32, Hkv=4, D=128), "qwen3-235b-a22b": dict(Hq=64, Hkv=4, D=128)}
 
@@ -40,12 +45,20 @@ def torch_backend(q, k_cache, v_cache, slots, positions):
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
 
 
-def every_layer(caches, q, slots, positions, out):
+def every_layer(caches, q, slots, positions, out, **tuning):
     for k_cache, v_cache in caches:
-        decode_attention(q, k_cache, v_cache, slots, positions, out=out)
+        decode_attention(q, k_cache, v_cache, slots, positions, out=out, **tuning)
 
 
-def bench_decode(shape, batches, contexts, reps, ceiling, gen):
+def sweep_variants(b, c, Hkv):
+    """(num_splits, num_stages) pairs beside the shipped choice: fewer and more splits, deeper pipelines."""
+    ns = default_num_splits(b, Hkv, c)
+    shipped = (ns, default_num_stages(b, Hkv, ns))
+    splits = sorted({ns, max(1, ns // 2), 2 * ns, 1, 2, 3} & set(range(1, c // 64 + 1)))
+    return [(s, st) for s in splits for st in (2, 3, 4) if (s, st) != shipped]
+
+
+def bench_decode(shape, batches, contexts, reps, ceiling, gen, sweep=False):
     rows, (Hq, Hkv, D) = [], (shape["Hq"], shape["Hkv"], shape["D"])
     for c in contexts:
         for b in batches:
@@ -75,6 +88,17 @@ def bench_decode(shape, batches, contexts, reps, ceiling, gen):
                              frac=round(bound_us / us, 3), torch_us=base_us and round(base_us, 2), rel_err=err))
             print(f"decode  B={b:<4} c={c:<6} {us:9.2f} µs  bound {bound_us:8.2f} µs ({100 * bound_us / us:5.1f}%)  "
                   f"torch {base_us or float('nan'):9.2f} µs  err {err:.2e}", flush=True)
+            for splits, stages in sweep_variants(b, c, Hkv) if sweep else ():
+                tuning = dict(num_splits=splits, num_stages=stages)
+                v_out = decode_attention(q, k_cache, v_cache, slots, positions, **tuning)
+                v_err = rel_err(v_out[sub], cache_attention_reference(q[sub], k_cache, v_cache, slots[sub],
+                                                                      positions[sub]))
+                v_us = time_graph(partial(every_layer, caches, q, slots, positions, v_out, **tuning), reps) / layers
+                rows.append(dict(kind="decode_variant", B=b, S=1, context=c, splits=splits, stages=stages,
+                                 us=round(v_us, 2), bound_us=round(bound_us, 2), frac=round(bound_us / v_us, 3),
+                                 vs_shipped=round(v_us / us, 3), rel_err=v_err))
+                print(f"  variant splits={splits:<4} stages={stages} {v_us:9.2f} µs ({100 * bound_us / v_us:5.1f}%)  "
+                      f"x{v_us / us:.3f} of shipped  err {v_err:.2e}", flush=True)
     return rows
 
 
@@ -136,9 +160,10 @@ def main():
     p.add_argument("--shapes", default="qwen3-30b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--contexts", default="1024,4096,16384")
-    p.add_argument("--prefill", default="512,2048,8192")
+    p.add_argument("--prefill", default="512,2048,8192", help="'' for none")
     p.add_argument("--prefill-start", type=int, default=0)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="decode: time (num_splits, num_stages) variants too")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ceiling, tflops = read_ceiling_tbs(), bf16_matmul_tflops()
@@ -148,20 +173,25 @@ def main():
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         new = bench_decode(shape, [int(b) for b in args.batches.split(",")],
-                           [int(c) for c in args.contexts.split(",")], args.reps, ceiling, gen)
-        new += bench_prefill(shape, [int(s) for s in args.prefill.split(",")], args.prefill_start, args.reps,
+                           [int(c) for c in args.contexts.split(",")], args.reps, ceiling, gen, args.sweep)
+        new += bench_prefill(shape, [int(s) for s in args.prefill.split(",") if s], args.prefill_start, args.reps,
                              tflops, gen)
         rows += [dict(r, shape=name) for r in new]
     plot(rows, args.out)
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump(dict(ceiling_tbs=ceiling, bf16_matmul_tflops=tflops, rows=rows), f)
+    best = {}
+    for r in rows:
+        key = f"{r['shape']}/B{r['B']}/c{r['context']}"
+        if r["kind"] == "decode_variant" and r["vs_shipped"] < best.get(key, {}).get("vs_shipped", 1.0):
+            best[key] = dict(splits=r["splits"], stages=r["stages"], vs_shipped=r["vs_shipped"])
     print(json.dumps(dict(bench="attention", ceiling_tbs=round(ceiling, 3), bf16_matmul_tflops=round(tflops, 1),
                           decode_frac={f"{r['shape']}/B{r['B']}/c{r['context']}": r["frac"] for r in rows
                                        if r["kind"] == "decode"},
                           prefill_frac={f"{r['shape']}/S{r['S']}": r["frac"] for r in rows if r["kind"] == "prefill"},
                           prefill_vs_flash={f"{r['shape']}/S{r['S']}": round(r["flash_us"] / r["us"], 3)
                                             for r in rows if r["kind"] == "prefill" and r["flash_us"]},
-                          max_rel_err=max(r["rel_err"] for r in rows))))
+                          best_variant=best, max_rel_err=max(r["rel_err"] for r in rows))))
 
 
 if __name__ == "__main__":

@@ -123,8 +123,8 @@ def _norm_rope_rows(x, xp, w, wp, cos, ssin, eps, D: tl.constexpr):
 def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_scale, L, q_sb,
                   kn_ptr, vn_ptr, qw_ptr, kw_ptr, inv_freq_ptr, eps, kv_sb, N,
                   HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr, ROPE: tl.constexpr,
-                  PDL: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr,
+                  ROPE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -185,7 +185,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
             m_i, l_i, acc = _attend_block(q, k0, v0, ok0, m_i, l_i, acc, qk_scale, DOT)
         first = start + BLOCK_N
     if PIPELINE:  # see the module docstring; 2 stages: 38 KB of shared memory per program at D = 128
-        for j in tl.range(first, cache_end, BLOCK_N, num_stages=2):
+        for j in tl.range(first, cache_end, BLOCK_N, num_stages=STAGES):
             m_i, l_i, acc = _step(q, k_base, v_base, j, cache_end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
     else:
         j = first
@@ -265,6 +265,14 @@ def default_num_splits(B: int, Hkv: int, L: int) -> int:
     return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * _SMS, B * Hkv), L // (_MIN_CHUNK_BLOCKS * _BLOCK_N)))
 
 
+def default_num_stages(B: int, Hkv: int, num_splits: int) -> int:
+    """The key loop's pipeline depth: 3 (two key blocks in flight, ~70 KB of shared memory a program) where one
+    split walks a row's whole context on a grid of at most two programs per SM, which leaves each SM only two
+    programs' copies in flight; 2 elsewhere, where more programs per SM keep the bytes in flight and a deeper
+    pipeline would cost occupancy."""
+    return 3 if num_splits == 1 and B * Hkv <= 2 * _SMS else 2
+
+
 def new_kv_pays(B: int, Hkv: int, L: int) -> bool:
     """Whether decode_attention(new_kv=...) beats qk_norm_rope + decode_attention for this batch: every program
     repeats its query heads' norm + RoPE, which is free while the grid is about one wave of two programs per SM
@@ -293,14 +301,16 @@ class NewKV(NamedTuple):
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, *, scale: float | None = None, num_splits: int | None = None,
                      out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                     new_kv: NewKV | None = None) -> torch.Tensor:
+                     new_kv: NewKV | None = None, num_stages: int | None = None) -> torch.Tensor:
     """out[b, 0, h] = softmax(q[b, 0, h] . K^T * scale) V over the keys of slot slots[b] at positions
     0..positions[b, 0] (kv head h // G); writes and returns `out` [B, 1, Hq, D] bf16 (allocated when None).
     scale: default D ** -0.5. num_splits: default default_num_splits(B, Hkv, L). workspace: fp32
     workspace_shape(B, Hq, D, num_splits), allocated when None and unused when num_splits == 1 (a captured
     graph passes its own). Slots must be valid cache indices; that is not checked (it would need a host sync).
     new_kv: q is this step's raw projection (a view of the qkv output is fine), normed and rotated here with
-    new_kv's k, which is written to the cache at (slots[b], positions[b]) with v, as qk_norm_rope would."""
+    new_kv's k, which is written to the cache at (slots[b], positions[b]) with v, as qk_norm_rope would.
+    num_stages: the key loop's software-pipeline depth on the GPU (key blocks in flight + 1; 32 KB of shared
+    memory per block at D = 128), default default_num_stages(B, Hkv, num_splits)."""
     check_attention_args(q, k_cache, v_cache, slots, positions, q_rows_strided=new_kv is not None)
     B, S, Hq, D = q.shape
     N, L, Hkv, _ = k_cache.shape
@@ -312,6 +322,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = default_num_splits(B, Hkv, L)
     elif not isinstance(num_splits, int) or not 1 <= num_splits <= 65535:
         raise ValueError(f"num_splits must be an int in 1..65535, got {num_splits!r}")
+    if num_stages is None:
+        num_stages = default_num_stages(B, Hkv, num_splits)
+    elif not isinstance(num_stages, int) or isinstance(num_stages, bool) or not 1 <= num_stages <= 6:
+        raise ValueError(f"num_stages must be an int in 1..6, got {num_stages!r}")
     if out is None:
         out = torch.empty((B, 1, Hq, D), dtype=torch.bfloat16, device=q.device)
     check_tensor("out", out, torch.bfloat16, (B, 1, Hq, D), q.device)
@@ -338,8 +352,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _split_kernel[(B, Hkv, num_splits)](q, k_cache, v_cache, slots, positions, ws, out, qk_scale, L, q.stride(0),
                                         *rope, N, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
                                         NS=num_splits, BLOCK_N=_BLOCK_N, DOT=dot_dtype(),
-                                        PIPELINE=not triton.knobs.runtime.interpret, ROPE=new_kv is not None,
-                                        num_warps=4, **pdl_launch())
+                                        PIPELINE=not triton.knobs.runtime.interpret, STAGES=num_stages,
+                                        ROPE=new_kv is not None, num_warps=4, **pdl_launch())
     if num_splits > 1:
         sp = triton.next_power_of_2(num_splits)
         _combine_kernel[(B * Hq,)](workspace, out, positions, L, HQ=Hq, D=D, NS=num_splits, SP=sp, BS=min(sp, 16),

@@ -18,7 +18,14 @@ import torch
 import triton
 
 from kernels.attention_reference import cache_attention_reference
-from kernels.decode_attention import NewKV, decode_attention, default_num_splits, new_kv_pays, workspace_shape
+from kernels.decode_attention import (
+    NewKV,
+    decode_attention,
+    default_num_splits,
+    default_num_stages,
+    new_kv_pays,
+    workspace_shape,
+)
 from kernels.qk_norm_rope import qk_norm_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,6 +132,14 @@ def test_default_num_splits_is_a_function_of_shapes():
     assert default_num_splits(1, 4, 100) == 1
 
 
+def test_default_num_stages_deepens_only_one_split_grids_of_two_programs_per_sm():
+    assert default_num_stages(64, 4, 1) == 3  # 256 programs, each over the whole context
+    assert default_num_stages(33, 4, 1) == 3
+    assert default_num_stages(128, 4, 1) == 2  # 512 programs: a deeper pipeline would cost occupancy
+    assert default_num_stages(32, 4, 5) == 2  # split grids keep ~4 programs per SM in flight
+    assert default_num_stages(1, 4, 132) == 2
+
+
 def _fused_problem(B, Hq, Hkv, D, N, L, positions, slots, seed):
     """Raw projections (views of one qkv buffer, as the model's), q/k norm weights, RoPE table and a random cache."""
     gen = torch.Generator().manual_seed(seed)
@@ -211,6 +226,8 @@ def _bad(**kw):
     (lambda a: a.update(out=torch.empty(2, 4, 32, dtype=torch.bfloat16, device=DEVICE)), ValueError, "out must"),
     (lambda a: a.update(out=torch.empty(2, 1, 4, 32, device=DEVICE)), TypeError, "out must"),
     (lambda a: a.update(num_splits=0), ValueError, "num_splits"),
+    (lambda a: a.update(num_stages=0), ValueError, "num_stages must be an int in 1..6"),
+    (lambda a: a.update(num_stages=2.0), ValueError, "num_stages"),
     (lambda a: a.update(num_splits=2, workspace=torch.empty(2, 4, 2, 32, device=DEVICE)), ValueError, "workspace"),
     (lambda a: a.update(slots=a["slots"].float()), ValueError, "slots must be int32"),
 ])
@@ -235,6 +252,8 @@ def test_qwen3_shapes_on_gpu(B, Hq):
     ref = cache_attention_reference(*args)
     for num_splits in (None, 1, 16):
         _check(decode_attention(*args, num_splits=num_splits), ref)
+    for num_stages in (1, 3, 4):  # the pipeline depth changes the schedule, never the result
+        assert torch.equal(decode_attention(*args, num_stages=num_stages), decode_attention(*args))
 
 
 @pytest.mark.gpu
