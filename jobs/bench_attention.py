@@ -54,7 +54,7 @@ def sweep_variants(b, c, Hkv):
     """(num_splits, num_stages) pairs beside the shipped choice: fewer and more splits, deeper pipelines."""
     ns = default_num_splits(b, Hkv, c)
     shipped = (ns, default_num_stages(b, Hkv, ns))
-    splits = sorted({ns, max(1, ns // 2), 2 * ns, 1, 2, 3} & set(range(1, c // 64 + 1)))
+    splits = sorted({ns, max(1, ns // 2), 2 * ns, 4 * ns, 1, 2, 3} & set(range(1, c // 64 + 1)))
     return [(s, st) for s in splits for st in (2, 3, 4) if (s, st) != shipped]
 
 

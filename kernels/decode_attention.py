@@ -22,10 +22,11 @@ Design.
 * Online softmax in FP32 with exp2 (log2(e) folded into the scale, applied to the FP32 scores so q is not
   rounded again); QK^T and PV are tl.dot in BF16 with FP32 accumulation (FP32 operands under the interpreter,
   see mx_tiles.dot_dtype). P is rounded to BF16 for the PV dot, as in FlashAttention.
-* The key loop is an scf.for on the GPU, which Triton software-pipelines (the next block's K and V go to shared
-  memory by 16-byte cp.async while this one is computed: 80 registers at D = 128, against 160 and no overlap
-  for the same body in a while loop), and a while loop under the interpreter, which cannot take range() over a
-  runtime bound. Both run one _step body; the CPU tests exercise the while loop, the GPU test the for loop.
+* The key loop is an scf.for on the GPU, which Triton software-pipelines (the next num_stages - 1 blocks' K and V,
+  see default_num_stages, go to shared memory by 16-byte cp.async while this one is computed: 80 registers at
+  D = 128, against 160 and no overlap for the same body in a while loop), and a while loop under the interpreter,
+  which cannot take range() over a runtime bound. Both run one _step body; the CPU tests exercise the while
+  loop, the GPU test the for loop.
 * A second launch, one program per (row, query head), merges the NS partials in split order (deterministic,
   no atomics) and rounds once to BF16. With NS == 1 the first launch writes out itself and the workspace is
   unused (the large-batch regime, where B * Hkv alone fills the GPU).
@@ -60,10 +61,12 @@ from kernels.rmsnorm import check_eps
 
 _BLOCK_N = 64  # keys per loop step: K and V tiles of 16 KB each at D = 128, loaded together
 _SMS = 132  # H200
-# A program's loop steps are latency-bound (~1.5-2 µs each on the H200 at 4 warps: 8.1 µs for 4 steps at B = 1,
-# c = 1024), so short rows split down to one block per program, and the grid aims at ~4 programs per SM.
-_MIN_CHUNK_BLOCKS = 1
-_PROGRAMS_PER_SM = 4
+# A program with one key block in flight is latency-bound (~1.5-2 µs a loop step), so a program needs a second block
+# in flight, or company: where the (row, kv head) pairs leave SMs idle, the rows split until the grid is about one
+# program per SM, each with a 3-stage pipeline (two blocks in flight). Measured on an H100 (docs/perf.md, "Decode
+# attention: one program per SM, three stages"): one split of 3 stages at B = 32, c = 1k took 27.0 µs against 36.2
+# for ~4 programs per SM of 2 stages, and 33 splits at B = 1, c = 16k 20.2 against 32.6 for 132; where the pairs
+# alone fill two programs per SM (B >= 64), a third stage costs 2-3%.
 _LOG2E = 1.4426950408889634
 # new_kv pays while the programs it adds norm + RoPE work to fit about two per SM (docs/perf.md: B = 1 and 64
 # faster fused, B = 8, 512 programs, slower)
@@ -184,7 +187,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, ws_ptr, out_ptr, qk_s
         if start < cache_end:
             m_i, l_i, acc = _attend_block(q, k0, v0, ok0, m_i, l_i, acc, qk_scale, DOT)
         first = start + BLOCK_N
-    if PIPELINE:  # see the module docstring; 2 stages: 38 KB of shared memory per program at D = 128
+    if PIPELINE:  # see the module docstring; 38 KB of shared memory per program at D = 128 with 2 stages, 70 with 3
         for j in tl.range(first, cache_end, BLOCK_N, num_stages=STAGES):
             m_i, l_i, acc = _step(q, k_base, v_base, j, cache_end, d, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_N, DOT)
     else:
@@ -257,27 +260,23 @@ def _combine_kernel(ws_ptr, out_ptr, pos_ptr, L, HQ: tl.constexpr, D: tl.constex
 
 
 def default_num_splits(B: int, Hkv: int, L: int) -> int:
-    """Splits per (row, kv head), a pure function of shapes (so one captured graph serves every length):
-    1 when B * Hkv programs fill the H200's 132 SMs, else enough to reach ~_PROGRAMS_PER_SM programs per SM,
-    capped so that a full slot of L keys gives each split at least _MIN_CHUNK_BLOCKS blocks of keys."""
-    if B * Hkv >= _SMS:  # measured: 3 splits at B = 64 took 54 µs against 42 µs for 1 (c = 1024)
-        return 1
-    return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * _SMS, B * Hkv), L // (_MIN_CHUNK_BLOCKS * _BLOCK_N)))
+    """Splits per (row, kv head), a pure function of shapes (so one captured graph serves every length): as many
+    as keep the grid at most one program per SM of the H200's 132 (1 once B * Hkv fills them), capped so that a
+    full slot of L keys gives each split at least one block of keys."""
+    return max(1, min(_SMS // (B * Hkv), L // _BLOCK_N))
 
 
 def default_num_stages(B: int, Hkv: int, num_splits: int) -> int:
-    """The key loop's pipeline depth: 3 (two key blocks in flight, ~70 KB of shared memory a program) where one
-    split walks a row's whole context on a grid of at most two programs per SM, which leaves each SM only two
-    programs' copies in flight; 2 elsewhere, where more programs per SM keep the bytes in flight and a deeper
-    pipeline would cost occupancy."""
-    return 3 if num_splits == 1 and B * Hkv <= 2 * _SMS else 2
+    """The key loop's pipeline depth: 3 (two key blocks in flight, ~70 KB of shared memory a program) on a grid of
+    at most one program per SM; 2 where programs share SMs and so keep each other's copies in flight."""
+    return 3 if B * Hkv * num_splits <= _SMS else 2
 
 
 def new_kv_pays(B: int, Hkv: int, L: int) -> bool:
     """Whether decode_attention(new_kv=...) beats qk_norm_rope + decode_attention for this batch: every program
     repeats its query heads' norm + RoPE, which is free while the grid is about one wave of two programs per SM
     and costs more than the saved launch beyond (measured on the H200, 30B, c = 1k: -90 µs per step at B = 1,
-    +80 at B = 8, -140 at B = 64)."""
+    -140 at B = 64, +80 at B = 8 when its grid was 512 programs)."""
     return B * Hkv * default_num_splits(B, Hkv, L) <= _NEW_KV_MAX_PROGRAMS
 
 

@@ -125,19 +125,19 @@ def test_buffers_reused_bit_identical(num_splits):
 
 def test_default_num_splits_is_a_function_of_shapes():
     assert default_num_splits(33, 4, 40960) == 1  # B * Hkv = 132 programs fill the SMs
-    assert default_num_splits(32, 4, 40960) == 5  # else ~4 programs per SM
-    assert default_num_splits(1, 4, 40960) == 132  # ~4 programs per SM
-    assert default_num_splits(8, 4, 4096) == 17
+    assert default_num_splits(64, 4, 40960) == 1
+    assert default_num_splits(32, 4, 40960) == 1  # else at most one program per SM
+    assert default_num_splits(1, 4, 40960) == 33
+    assert default_num_splits(8, 4, 4096) == 4
     assert default_num_splits(1, 4, 1024) == 16  # capped: one block of 64 keys per split of a full slot
     assert default_num_splits(1, 4, 100) == 1
 
 
-def test_default_num_stages_deepens_only_one_split_grids_of_two_programs_per_sm():
-    assert default_num_stages(64, 4, 1) == 3  # 256 programs, each over the whole context
-    assert default_num_stages(33, 4, 1) == 3
-    assert default_num_stages(128, 4, 1) == 2  # 512 programs: a deeper pipeline would cost occupancy
-    assert default_num_stages(32, 4, 5) == 2  # split grids keep ~4 programs per SM in flight
-    assert default_num_stages(1, 4, 132) == 2
+def test_default_num_stages_deepens_grids_of_at_most_one_program_per_sm():
+    assert default_num_stages(33, 4, 1) == 3 and default_num_stages(32, 4, 1) == 3
+    assert default_num_stages(1, 4, 33) == 3 and default_num_stages(8, 4, 4) == 3
+    assert default_num_stages(64, 4, 1) == 2  # 256 programs share SMs
+    assert default_num_stages(32, 4, 5) == 2 and default_num_stages(1, 4, 132) == 2
 
 
 def _fused_problem(B, Hq, Hkv, D, N, L, positions, slots, seed):
@@ -203,10 +203,10 @@ def test_fused_norm_rope_edges_and_errors():
 
 
 def test_new_kv_pays_up_to_about_two_programs_per_sm():
-    assert new_kv_pays(1, 4, 1025) and new_kv_pays(4, 4, 1025)  # 64 and 256 programs (16 splits)
-    assert not new_kv_pays(8, 4, 1025) and not new_kv_pays(32, 4, 1025)  # 512 and 640
+    assert new_kv_pays(1, 4, 1025) and new_kv_pays(4, 4, 1025)  # 64 programs (16 splits) and 128 (8)
+    assert new_kv_pays(8, 4, 1025) and new_kv_pays(32, 4, 1025)  # 128 (4 splits) and 128 (1)
     assert new_kv_pays(64, 4, 1025) and not new_kv_pays(128, 4, 1025)  # one split: 256 and 512
-    assert not new_kv_pays(1, 4, 16385)  # 132 splits of a long slot
+    assert new_kv_pays(1, 4, 16385)  # 33 splits of a long slot
 
 
 def _bad(**kw):
