@@ -27,10 +27,10 @@ import triton
 
 from composer_rollout.model import preset
 from jobs.bench_moe import _read_kernel, read_ceiling_tbs, time_graph
-from kernels.decode_attention import workspace_shape
+from kernels.decode_attention import default_num_splits, workspace_shape
 
 MB = 1e6
-KEYS_PER_SPLIT = 64  # decode_attention at B = 1: every split is one block of keys (its _BLOCK_N)
+BLOCK_KEYS = 64  # decode_attention's keys per block: a split's keys are whole blocks
 
 
 def layer_launches(args, context: int) -> tuple[tuple[str, int], ...]:
@@ -38,8 +38,10 @@ def layer_launches(args, context: int) -> tuple[tuple[str, int], ...]:
     H, D, hq, hkv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
     I, k = args.moe_intermediate_size, args.num_experts_per_tok
     mx = 33 / 32  # an E4M3 byte per weight plus an E8M0 scale per 32
-    splits = -(-context // KEYS_PER_SPLIT)
-    ws = workspace_shape(1, hq, D, splits)
+    # The splits that hold partials, as the kernel derives them from the row's length (a slot far longer than it)
+    ns = default_num_splits(1, hkv, 1 << 20)
+    chunk = triton.cdiv(triton.cdiv(context, ns), BLOCK_KEYS) * BLOCK_KEYS
+    ws = workspace_shape(1, hq, D, triton.cdiv(context, chunk))
     return (
         ("qkv", H * (hq + 2 * hkv) * D * 2),
         ("attention split", context * hkv * D * 2 * 2),
