@@ -263,7 +263,7 @@ def default_num_splits(B: int, Hkv: int, L: int) -> int:
     """Splits per (row, kv head), a pure function of shapes (so one captured graph serves every length): as many
     as keep the grid at most one program per SM of the H200's 132 (1 once B * Hkv fills them), capped so that a
     full slot of L keys gives each split at least one block of keys."""
-    return max(1, min(_SMS // (B * Hkv), L // _BLOCK_N))
+    return max(1, min(_SMS // max(1, B * Hkv), L // _BLOCK_N))
 
 
 def default_num_stages(B: int, Hkv: int, num_splits: int) -> int:

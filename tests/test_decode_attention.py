@@ -131,6 +131,13 @@ def test_default_num_splits_is_a_function_of_shapes():
     assert default_num_splits(8, 4, 4096) == 4
     assert default_num_splits(1, 4, 1024) == 16  # capped: one block of 64 keys per split of a full slot
     assert default_num_splits(1, 4, 100) == 1
+    assert default_num_splits(0, 4, 40960) == 132  # an empty batch: no division by zero, nothing launches
+
+
+def test_empty_batch_returns_empty_out():
+    q, k, v, slots, positions = _problem(1, 4, 2, 32, 3, 40, [3], [0])
+    out = decode_attention(q[:0], k, v, slots[:0], positions[:0])
+    assert out.shape == (0, 1, 4, 32) and out.dtype == torch.bfloat16
 
 
 def test_default_num_stages_deepens_grids_of_at_most_one_program_per_sm():
