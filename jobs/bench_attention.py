@@ -78,7 +78,8 @@ def bench_decode(shape, batches, contexts, reps, ceiling, gen, sweep=False):
             positions = torch.full((b, 1), c - 1, device="cuda")
             out = decode_attention(q, k_cache, v_cache, slots, positions)
             sub = slice(0, min(b, 4))  # the FP32 reference materialises [B, Hq, c] scores: a few rows suffice
-            err = rel_err(out[sub], cache_attention_reference(q[sub], k_cache, v_cache, slots[sub], positions[sub]))
+            ref = cache_attention_reference(q[sub], k_cache, v_cache, slots[sub], positions[sub])
+            err = rel_err(out[sub], ref)
             us = time_graph(partial(every_layer, caches, q, slots, positions, out), reps) / layers
             base_us = None
             if b * Hq * c * (c + D) * 4 < 8e9:  # math SDPA's FP32 intermediates must fit
@@ -91,8 +92,7 @@ def bench_decode(shape, batches, contexts, reps, ceiling, gen, sweep=False):
             for splits, stages in sweep_variants(b, c, Hkv) if sweep else ():
                 tuning = dict(num_splits=splits, num_stages=stages)
                 v_out = decode_attention(q, k_cache, v_cache, slots, positions, **tuning)
-                v_err = rel_err(v_out[sub], cache_attention_reference(q[sub], k_cache, v_cache, slots[sub],
-                                                                      positions[sub]))
+                v_err = rel_err(v_out[sub], ref)
                 v_us = time_graph(partial(every_layer, caches, q, slots, positions, v_out, **tuning), reps) / layers
                 rows.append(dict(kind="decode_variant", B=b, S=1, context=c, splits=splits, stages=stages,
                                  us=round(v_us, 2), bound_us=round(bound_us, 2), frac=round(bound_us / v_us, 3),

@@ -11,8 +11,9 @@ Rows:
 - layer: the seven B = 1 launches in order over --layers layers, µs per layer against the bytes over the ceiling,
   and the same bytes as one read per layer (what a one-launch layer could reach).
 The layer's sizes come from the model preset (`--preset`, default the 30B shape) at `--context` keys, MXFP8
-experts: the qkv and o_proj weights in BF16, the row's K and V in BF16, the split workspace the combine reads (one
-64-key split per program at B = 1), the router gate in BF16, k experts' gate_up and down with their E8M0 scales.
+experts: the qkv and o_proj weights in BF16, the row's K and V in BF16, the split workspace the combine reads (the
+splits that hold partials, decode_attention.active_splits), the router gate in BF16, k experts' gate_up and down
+with their E8M0 scales.
 
 Usage: PYTHONPATH=. python3 jobs/bench_launch_floor.py --out DIR [--layers 16] [--preset qwen3_30b_a3b] [--context 1024]
 (prints a table, writes DIR/bench_launch_floor.json and .png, ends with one JSON line)
@@ -27,10 +28,9 @@ import triton
 
 from composer_rollout.model import preset
 from jobs.bench_moe import _read_kernel, read_ceiling_tbs, time_graph
-from kernels.decode_attention import default_num_splits, workspace_shape
+from kernels.decode_attention import active_splits, default_num_splits, workspace_shape
 
 MB = 1e6
-BLOCK_KEYS = 64  # decode_attention's keys per block: a split's keys are whole blocks
 
 
 def layer_launches(args, context: int) -> tuple[tuple[str, int], ...]:
@@ -38,10 +38,8 @@ def layer_launches(args, context: int) -> tuple[tuple[str, int], ...]:
     H, D, hq, hkv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
     I, k = args.moe_intermediate_size, args.num_experts_per_tok
     mx = 33 / 32  # an E4M3 byte per weight plus an E8M0 scale per 32
-    # The splits that hold partials, as the kernel derives them from the row's length (a slot far longer than it)
-    ns = default_num_splits(1, hkv, 1 << 20)
-    chunk = triton.cdiv(triton.cdiv(context, ns), BLOCK_KEYS) * BLOCK_KEYS
-    ws = workspace_shape(1, hq, D, triton.cdiv(context, chunk))
+    # The combine reads the splits that hold partials, of a grid sized for a slot far longer than the row
+    ws = workspace_shape(1, hq, D, active_splits(context, default_num_splits(1, hkv, 1 << 20)))
     return (
         ("qkv", H * (hq + 2 * hkv) * D * 2),
         ("attention split", context * hkv * D * 2 * 2),

@@ -280,6 +280,13 @@ def new_kv_pays(B: int, Hkv: int, L: int) -> bool:
     return B * Hkv * default_num_splits(B, Hkv, L) <= _NEW_KV_MAX_PROGRAMS
 
 
+def active_splits(n: int, num_splits: int) -> int:
+    """How many of a row's num_splits splits hold partials for n keys: _row_chunk's chunk and the combine's count,
+    on the host (for benchmarks that charge the combine its bytes)."""
+    chunk = triton.cdiv(triton.cdiv(n, num_splits), _BLOCK_N) * _BLOCK_N
+    return max(triton.cdiv(n, max(chunk, 1)), 1)
+
+
 def workspace_shape(B: int, Hq: int, D: int, num_splits: int) -> tuple[int, int, int, int]:
     """The fp32 workspace's shape: (B, Hq, num_splits, D + 4), see the module docstring."""
     return (B, Hq, num_splits, D + 4)

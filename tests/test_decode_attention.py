@@ -20,6 +20,7 @@ import triton
 from kernels.attention_reference import cache_attention_reference
 from kernels.decode_attention import (
     NewKV,
+    active_splits,
     decode_attention,
     default_num_splits,
     default_num_stages,
@@ -132,6 +133,19 @@ def test_default_num_splits_is_a_function_of_shapes():
     assert default_num_splits(1, 4, 1024) == 16  # capped: one block of 64 keys per split of a full slot
     assert default_num_splits(1, 4, 100) == 1
     assert default_num_splits(0, 4, 40960) == 132  # an empty batch: no division by zero, nothing launches
+
+
+@pytest.mark.parametrize("num_splits", [3, 7])
+def test_active_splits_are_the_splits_the_kernel_writes(num_splits):
+    """The host count of splits holding partials matches the workspace rows the split kernel writes (the rest keep
+    their NaN), at row lengths inside one block, across blocks and filling every split."""
+    lengths = [5, 130, 300, 448]
+    q, k, v, slots, positions = _problem(4, 2, 1, 16, 5, 448, [n - 1 for n in lengths], [0, 1, 2, 3], seed=num_splits)
+    ws = torch.full(workspace_shape(4, 2, 16, num_splits), float("nan"), device=DEVICE)
+    decode_attention(q, k, v, slots, positions, num_splits=num_splits, workspace=ws)
+    written = (~ws[:, 0, :, 0].isnan()).sum(dim=1).tolist()
+    assert written == [active_splits(n, num_splits) for n in lengths]
+    assert active_splits(1025, 33) == 17 and active_splits(0, 4) == 1
 
 
 def test_empty_batch_returns_empty_out():
