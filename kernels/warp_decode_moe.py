@@ -32,7 +32,7 @@ the choice and the tile sizes, and the schedules that lost (a grouped CUDA-core 
 over expert-grouped slot blocks, 2.8-3x slower than pair at T = 8-32).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -144,7 +144,8 @@ def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.const
 @dataclass(frozen=True)
 class Tiles:
     """Tile sizes (powers of two; reduction chunks multiples of 32); `tiles_for` picks them per T from the H200
-    measurements in docs/perf.md. pair_*: kernels/warp_decode_gate_up.py (BN gate and BN up rows per item),
+    measurements in docs/perf.md. pair_*: kernels/warp_decode_gate_up.py (BN gate and BN up rows per item; pair_hc
+    its chunk_h),
     pair_down_*: kernels/warp_decode_down.py (BH rows of each of the k experts per item, BK-wide chunks of I);
     *_ctas: persistent programs per SM; *_stages: the pipeliner's stages (items or chunks in flight + 1).
     pair_min_expert_pairs: "auto" takes the expert schedule from this many pairs (T * k) on.
@@ -155,6 +156,7 @@ class Tiles:
     pair_warps: int = 4
     pair_stages: int = 3
     pair_ctas: int = 5
+    pair_hc: int | None = None
     pair_down_bh: int = 8
     pair_down_bk: int = 256
     pair_down_warps: int = 4
@@ -175,17 +177,21 @@ INTERPRETER_TILES = Tiles(pair_bn=32, pair_ctas=2, pair_down_bh=32, pair_down_bk
                           expert_bh=64, expert_bk=128)
 
 
-def tiles_for(num_tokens: int) -> Tiles:
-    """The tiles measured fastest at this T (docs/perf.md, version 6)."""
+def tiles_for(num_tokens: int, hidden_size: int = 2048) -> Tiles:
+    """The tiles measured fastest at this T (docs/perf.md, version 6 and "gate_up's warps own rows")."""
     if triton.knobs.runtime.interpret:
         return INTERPRETER_TILES
     if num_tokens == 1:
         return Tiles(pair_stages=2, pair_ctas=8)
+    down = Tiles() if num_tokens > 4 else Tiles(pair_down_ctas=4)
+    if hidden_size == 2048:
+        # gate_up on 2-warp programs of one gate and one up row each, lanes over 512-wide chunks of H: every row's
+        # sums stay in its warp. Measured at H = 2048 only (2-3% faster at T = 2-16 on an H100); at H = 4096 the
+        # hidden row alone would take 128 registers a thread.
+        return replace(down, pair_hc=512, pair_bn=1, pair_warps=2, pair_ctas=12 if num_tokens <= 4 else 14)
     if num_tokens == 2:
-        return Tiles(pair_bn=2, pair_warps=2, pair_ctas=8, pair_down_ctas=4)
-    if num_tokens <= 4:
-        return Tiles(pair_down_ctas=4)
-    return Tiles()
+        return replace(down, pair_bn=2, pair_warps=2, pair_ctas=8)
+    return down
 
 
 def _programs(device: torch.device, per_sm: int) -> int:
@@ -200,7 +206,7 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a decode batch, [T, H] bf16, written to `out` if given. `schedule`: "auto",
     "pair", "expert_gate_up" (expert-grouped TF32 gate_up, pair down) or "expert" (both grouped, plus combine);
-    `tiles`: None for `tiles_for(T)`."""
+    `tiles`: None for `tiles_for(T, H)`."""
     check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -210,7 +216,7 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
         raise TypeError("w13 and w2 must both be MXFP8Tensor or both bfloat16")
     (T, H), k, E, I = hidden.shape, topk_ids.shape[1], w13.shape[0], w2.shape[-1]
     P = T * k
-    tiles = tiles_for(T) if tiles is None else tiles
+    tiles = tiles_for(T, H) if tiles is None else tiles
     if schedule == "auto":
         schedule = "pair" if P < tiles.pair_min_expert_pairs else "expert"
     out = torch.empty_like(hidden) if out is None else out
@@ -231,7 +237,8 @@ def warp_decode_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     if schedule == "pair":
         warp_decode_gate_up(hidden, topk_weights, topk_ids, (d13, s13, mx13), act, block_n=tiles.pair_bn,
                             num_warps=tiles.pair_warps, num_stages=tiles.pair_stages,
-                            programs=_programs(hidden.device, tiles.pair_ctas), pdl=hints["PDL"])
+                            programs=_programs(hidden.device, tiles.pair_ctas), chunk_h=tiles.pair_hc,
+                            pdl=hints["PDL"])
     else:
         _gate_up_expert_kernel[(triton.cdiv(I, tiles.expert_bn), leaders)](
             hidden, topk_ids, topk_weights, d13, s13, act, P, H, I, K_TOP=k, IS_MX=mx13, BY_PAIR=by_pair,

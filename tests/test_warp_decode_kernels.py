@@ -51,6 +51,20 @@ def test_gate_up_matches_fp32(T, k, E, H, I, mx, block, warps, stages, programs)
     torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("H,mx,chunk_h", [(160, True, 64), (160, False, 32), (96, True, 128), (256, True, 128)])
+def test_gate_up_chunks_of_h_match_fp32(H, mx, chunk_h):
+    """Lanes over chunk_h-wide chunks of H (H rounded up to a power of two): the last chunk partly or wholly past H,
+    several chunks a row, gate and up rows on separate warps."""
+    T, k, E, I = 3, 2, 5, 96
+    hidden, weights, ids, w13, _ = _problem(T, k, E, H, I, mx, seed=H + chunk_h)
+    act = torch.full((T * k, I), float("nan"), device=DEVICE)
+    warp_decode_gate_up(hidden, weights, ids, weight_parts(w13, "w13", hidden.device), act, block_n=1,
+                        num_warps=2, num_stages=3, programs=2 * T * k, chunk_h=chunk_h)
+    ref = gate_up_reference(hidden, weights, ids, w13)
+    assert torch.isfinite(act).all(), "act rows left unwritten"
+    torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("T,k,E,H,I,mx,block,warps,stages,programs", CASES)
 def test_down_matches_fp32(T, k, E, H, I, mx, block, warps, stages, programs):
     _, _, ids, _, w2 = _problem(T, k, E, H, I, mx, seed=T * 10 + k + 1)
@@ -71,6 +85,9 @@ def test_launchers_name_bad_buffers_and_tiles():
     with pytest.raises(TypeError, match="act must be a torch.float32"):
         warp_decode_gate_up(hidden, weights, ids, parts13, torch.empty(6, 96, dtype=torch.bfloat16, device=DEVICE),
                             block_n=4, num_warps=4, num_stages=3, programs=4)
+    with pytest.raises(ValueError, match="chunk_h one in 32..64"):
+        warp_decode_gate_up(hidden, weights, ids, parts13, torch.empty(6, 96, device=DEVICE), block_n=4,
+                            num_warps=4, num_stages=3, programs=4, chunk_h=256)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         warp_decode_gate_up(hidden, weights, ids, parts13, torch.empty(6, 96, device=DEVICE), block_n=3,
                             num_warps=4, num_stages=3, programs=4)

@@ -3,7 +3,8 @@
 CPU: Triton's interpreter at tiny irregular shapes (odd T, k = 1, E not a power of two, H and I multiples
 of 32 but not of 64); on a GPU machine the same cases run natively. The interpreter casts FP32 to BF16 by
 truncation, the GPU rounds to nearest, so these checks allow one BF16 ulp per element.
-GPU (marker `gpu`): the Qwen3-30B-A3B shape at T = 1 and 64, every schedule, MXFP8 and BF16 weights.
+GPU (marker `gpu`): the Qwen3-30B-A3B shape at T = 1, 2, 8 and 64 (each T its own tiles), every schedule, MXFP8
+and BF16 weights.
 """
 
 import pytest
@@ -120,7 +121,7 @@ def test_launcher_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", (1, 64))
+@pytest.mark.parametrize("T", (1, 2, 8, 64))
 @pytest.mark.parametrize("mx", (True, False))
 def test_gpu_qwen3_30b_shape(T, mx):
     args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=mx, device="cuda", seed=10 + T)
