@@ -282,14 +282,14 @@ def sweep_variants() -> dict:
     # balance them better (docs/perf.md, 2026-12-07)
     for t in (8, 16):
         sweep[t] = {f"down_ctas{c}": ("pair", replace(tiles_for(t), pair_down_ctas=c)) for c in (2, 4)}
-    # gate_up's lanes over 512-wide chunks of H and its warps over rows: a row's sums inside one warp
-    for t in (1, 2, 4, 8, 16):
+    # gate_up as before chunk_h (BN 4 over all of H, 4 warps, 5 programs per SM: the warps split H) against the
+    # shipped rows-per-warp tiles, and two neighbours of those (docs/perf.md, "gate_up's warps own rows")
+    for t in (2, 4, 8, 16):
         base = tiles_for(t)
         sweep.setdefault(t, {}).update({
-            f"hc512bn{bn}w{w}c{c}s{st}": ("pair", replace(base, pair_hc=512, pair_bn=bn, pair_warps=w, pair_ctas=c,
-                                                          pair_stages=st))
-            for bn, w, c, st in ((1, 2, 12, 3), (1, 2, 12, 4), (1, 2, 14, 3), (1, 1, 16, 3), (1, 1, 24, 3),
-                                 (2, 4, 8, 3), (2, 4, 8, 4), (2, 4, 10, 3))})
+            "rows_whole": ("pair", replace(base, pair_hc=None, pair_bn=4, pair_warps=4, pair_ctas=5)),
+            "hc512bn1w1c16": ("pair", replace(base, pair_hc=512, pair_bn=1, pair_warps=1, pair_ctas=16)),
+            "hc512bn2w4c8": ("pair", replace(base, pair_hc=512, pair_bn=2, pair_warps=4, pair_ctas=8))})
     for t in (16, 64):
         sweep.setdefault(t, {}).update({"stages2": ("expert", Tiles(expert_stages=2)),
                                         "bk64": ("expert", Tiles(expert_bk=64)),

@@ -19,9 +19,15 @@ Programs that load their rows once and exit (one per item) leave the SM idle bet
 program's; persistent programs (a few per SM, `programs` in all) instead walk the item list in a software-pipelined
 loop: Triton's pipeliner turns each item's loads into cp.async copies into shared memory issued `num_stages - 1`
 items ahead, so loads no longer wait on registers or on the previous item's arithmetic. Each row is reduced with
-tl.sum (warp shuffles, and shared memory across warps); MXFP8 scales multiply each 32-element partial sum, so
-dequantization costs a convert per weight and a multiply per 32. Measured against one-program-per-item kernels in
-docs/perf.md (version 6).
+tl.sum; MXFP8 scales multiply each 32-element partial sum, so dequantization costs a convert per weight and a
+multiply per 32. Measured against one-program-per-item kernels in docs/perf.md (version 6).
+Which threads hold a row is Triton's choice, made from the tile's shape: it gives the contiguous dimension the lanes
+first and then the warps, so an [BN, 2, H] tile splits each row over the warps and every item ends in a cross-warp
+reduction through shared memory. `chunk_h` leads with the chunk index instead ([H / chunk_h, BN, 2, chunk_h]): at
+chunk_h = 512 one warp's lanes span a chunk, the warps split the rows, and a row's sum stays in its warp until the
+finished gate and up sums meet (2-3% faster at T = 2-32, docs/perf.md "gate_up's warps own rows"). Scale tiles
+narrower than 4 bytes a thread are not pipelined and are moved through shared memory into the sums' layout; the
+kernel is weakly issue-bound, so that costs less than the cross-warp reduction did.
 """
 
 import torch
@@ -38,8 +44,8 @@ def _expert_rows(d_ptr, e, nb, H: tl.constexpr, HP: tl.constexpr, I: tl.constexp
                  HC: tl.constexpr):
     """Expert e's gate rows n = nb * BN .. + BN and up rows I + n over all of H, as C = HP / HC chunks of HC: the
     weights as FP32 [C, BN, 2, HC / 32, 32], the rows [BN, 2] (for _row_scales), n [BN] and which n exist. The chunk
-    index leads so that a warp's lanes span one HC-wide chunk and the warps split the rows: each row's sums stay
-    inside one warp (shuffles, no shared memory or barrier), and the chunks are repeats in each thread's registers."""
+    index leads so that, where a warp's lanes fill one HC-wide chunk, the warps split the rows and the chunks repeat
+    in each thread's registers (HC = HP: the layout of one [BN, 2, H] tile)."""
     C: tl.constexpr = HP // HC
     n = nb * BN + tl.arange(0, BN)
     n_ok = tail_mask(n, I, BN)
