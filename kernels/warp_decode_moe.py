@@ -143,10 +143,10 @@ def _down_expert_kernel(act_ptr, ids_ptr, d_ptr, s_ptr, part_ptr, P, H: tl.const
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes (powers of two; reduction chunks multiples of 32); `tiles_for` picks them per T from the H200
-    measurements in docs/perf.md. pair_*: kernels/warp_decode_gate_up.py (BN gate and BN up rows per item; pair_hc
-    its chunk_h),
-    pair_down_*: kernels/warp_decode_down.py (BH rows of each of the k experts per item, BK-wide chunks of I);
+    """Tile sizes (powers of two; reduction chunks multiples of 32); `tiles_for` picks them per T from the
+    measurements in docs/perf.md (H200; the chunked gate_up, H100). pair_*: kernels/warp_decode_gate_up.py (BN gate
+    and BN up rows per item; pair_hc its chunk_h), pair_down_*: kernels/warp_decode_down.py (BH rows of each of the
+    k experts per item, BK-wide chunks of I);
     *_ctas: persistent programs per SM; *_stages: the pipeliner's stages (items or chunks in flight + 1).
     pair_min_expert_pairs: "auto" takes the expert schedule from this many pairs (T * k) on.
     pdl: launch the later kernels with programmatic dependent launch, so their CTAs start while the previous kernel
@@ -185,8 +185,8 @@ def tiles_for(num_tokens: int, hidden_size: int = 2048) -> Tiles:
         return Tiles(pair_stages=2, pair_ctas=8)
     down = Tiles() if num_tokens > 4 else Tiles(pair_down_ctas=4)
     if hidden_size == 2048:
-        # gate_up on 2-warp programs of one gate and one up row each, lanes over 512-wide chunks of H: every row's
-        # sums stay in its warp. Measured at H = 2048 only (2-3% faster at T = 2-16 on an H100); at H = 4096 the
+        # gate_up on 2-warp programs of one gate and one up row each, lanes over 512-wide chunks of H: a row's sum
+        # stays in its warp. Measured at H = 2048 only, on an H100 (2-3.5% faster at T = 2-32); at H = 4096 the
         # hidden row alone would take 128 registers a thread.
         return replace(down, pair_hc=512, pair_bn=1, pair_warps=2, pair_ctas=12 if num_tokens <= 4 else 14)
     if num_tokens == 2:
