@@ -282,8 +282,9 @@ def sweep_variants() -> dict:
     # balance them better (docs/perf.md, 2026-12-07)
     for t in (8, 16):
         sweep[t] = {f"down_ctas{c}": ("pair", replace(tiles_for(t), pair_down_ctas=c)) for c in (2, 4)}
-    # gate_up as before chunk_h (BN 4 over all of H, 4 warps, 5 programs per SM: the warps split H) against the
-    # shipped rows-per-warp tiles, and two neighbours of those (docs/perf.md, "gate_up's warps own rows")
+    # gate_up's whole-row tile of T >= 3 before chunk_h (BN 4 over all of H, 4 warps, 5 programs per SM: the warps
+    # split H; T = 2's old tile is bn2w2ctas8 above) against the shipped rows-per-warp tiles, and two neighbours of
+    # those (docs/perf.md, "gate_up's warps own rows")
     for t in (2, 4, 8, 16):
         base = tiles_for(t)
         sweep.setdefault(t, {}).update({
