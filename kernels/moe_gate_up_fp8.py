@@ -17,10 +17,12 @@ accumulator, so it is not pipelined), and v1's four waits per group left the ten
 token scale joins after the K loop. The epilogue splits act per 32 rows of I (BLOCK_N is a multiple of 32), so the
 down GEMM takes FP8 operands too. Error: hidden splits exactly (BF16, kernels/fp8_split.py); act keeps ~8 bits as
 when stored in BF16; each FP8 dot sums 32 exact products.
-Weight tiles come by per-thread cp.async, or with `tma` as one TMA box per group ([1, 2, BLOCK_N, 32] of w13
-viewed [E, 2, I, H]: the group's gate and up rows together, rows past I zero-filled), which frees the load queues
-that sm_90 stall sampling found busy: on the H200 gate_up's best TMA tile is 13-18% faster than its best cp.async
-tile at T = 8-128 (up to 35% on one tile; docs/perf.md), and the tuned table uses it up to T = 1024.
+Weight tiles come by per-thread cp.async, or with `tma` as TMA boxes ([1, 2, BLOCK_N, BOX_K] of w13 viewed [E, 2,
+I, H]: the step's gate and up rows together, rows past I zero-filled), which frees the load queues that sm_90 stall
+sampling found busy: on the H200 gate_up's best TMA tile is 13-18% faster than its best cp.async tile at T = 8-128
+(up to 35% on one tile; docs/perf.md), and the tuned table uses it up to T = 1024. A box spans the whole step (BOX_K
+= BLOCK_K, at most 128: mx_tiles.tma_box_k) and the groups' dots read its 32-wide column slices (mx_tiles.k_group,
+views of the box in shared memory), so a step costs one copy and one mbarrier wait instead of one per group.
 Bytes: each touched expert's w13 once (2 * I * H * (1 + 1/32)), hidden 2 * T * H (+ rows re-read from L2),
 act written S * I * (2 + 1/32).
 """
@@ -31,14 +33,23 @@ import triton.language as tl
 
 from kernels.fp8_split import FP8Split, split_codes, split_e4m3
 from kernels.moe_align import check_alignment
-from kernels.mx_tiles import block_slots, e8m0_to_f32, fp8_split_dot, packed_scale, packed_scales, tma_descriptor
+from kernels.mx_tiles import (
+    block_slots,
+    e8m0_to_f32,
+    fp8_split_dot,
+    k_group,
+    packed_scale,
+    packed_scales,
+    tma_box_k,
+    tma_descriptor,
+)
 from kernels.mxfp8 import MXFP8Tensor
 
 
 @triton.jit
 def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, w_desc, s_ptr, a_ptr, as_ptr, P,
                         H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BOX_K: tl.constexpr):
     nb, mb = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + mb).to(tl.int64)
     if e < 0:  # past the last expert's rows: the grid is sized for the worst case
@@ -64,14 +75,19 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, d_ptr, w_de
         sw = s_next
         s_next = tl.load(ws + wrow * (H // BLOCK_K) + (k0 + BLOCK_K) // BLOCK_K, mask=r_ok & (k0 + BLOCK_K < H),
                          other=0)
-        for j in tl.static_range(BLOCK_K // 32):
-            kk = k0 + j * 32 + c
-            x = tl.load(x_ptr + xrow[None, :] * H + kk[:, None], mask=col_ok[None, :], other=0.0)
+        for b in tl.static_range(BLOCK_K // BOX_K):
             if TMA:
-                w = tl.reshape(w_desc.load([e.to(tl.int32), 0, nb * BLOCK_N, k0 + j * 32]), (2 * BLOCK_N, 32))
-            else:
-                w = tl.load(wd + wrow[:, None] * H + kk[None, :], mask=r_ok[:, None], other=0.0)
-            acc += fp8_split_dot(w, x, F32_DOT) * packed_scale(sw, j)[:, None]
+                box = tl.reshape(w_desc.load([e.to(tl.int32), 0, nb * BLOCK_N, k0 + b * BOX_K]),
+                                 (2 * BLOCK_N, BOX_K))
+            for g in tl.static_range(BOX_K // 32):
+                j = b * (BOX_K // 32) + g  # the step's group
+                kk = k0 + j * 32 + c
+                x = tl.load(x_ptr + xrow[None, :] * H + kk[:, None], mask=col_ok[None, :], other=0.0)
+                if TMA:
+                    w = k_group(box, g, BOX_K // 32)
+                else:
+                    w = tl.load(wd + wrow[:, None] * H + kk[None, :], mask=r_ok[:, None], other=0.0)
+                acc += fp8_split_dot(w, x, F32_DOT) * packed_scale(sw, j)[:, None]
     slot, pair, ok = block_slots(sorted_ptr, mb, P, BLOCK_M)
     acc *= e8m0_to_f32(tl.load(xs_ptr + tl.where(ok, pair // K_TOP, 0), mask=ok, other=127))[None, :]
     g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
@@ -106,10 +122,11 @@ def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act
         raise ValueError(f"block_k={block_k} must be a multiple of 32 dividing H={H}, and block_n={block_n} and "
                          f"I={I} multiples of 32 (the scale groups)")
     grid = (triton.cdiv(I, block_n), S // block_m)
-    # TMA: the step's gate and up rows as one [1, 2, block_n, 32] box of w13 viewed [E, 2, I, H] (rows past I read 0).
-    w_desc = tma_descriptor("w13", w13.data.view(E, 2, I, H), [1, 2, block_n, 32]) if tma else w13.data
+    # TMA: the step's gate and up rows as [1, 2, block_n, box_k] boxes of w13 viewed [E, 2, I, H] (rows past I read 0).
+    box_k = tma_box_k(block_k) if tma else 32
+    w_desc = tma_descriptor("w13", w13.data.view(E, 2, I, H), [1, 2, block_n, box_k]) if tma else w13.data
     _gate_up_fp8_kernel[grid](x.data, x.scales, sorted_ids, block_expert, w13.data, w_desc,
                               packed_scales(w13.scales, block_k), act.data.view(torch.uint8), act.scales, num_pairs, H,
                               I, K_TOP=top_k, F32_DOT=triton.knobs.runtime.interpret, TMA=tma, BLOCK_M=block_m,
-                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+                              BLOCK_N=block_n, BLOCK_K=block_k, BOX_K=box_k, num_warps=num_warps, num_stages=num_stages)
     return act

@@ -167,6 +167,42 @@ def fp8_split_dot(w, x, F32: tl.constexpr):
     return tl.sum(tl.reshape(d, (d.shape[0], d.shape[1] // 2, 2)), axis=2)
 
 
+@triton.jit
+def k_group(w, j: tl.constexpr, G: tl.constexpr):
+    """Columns 32j .. 32j + 31 of a [R, 32 * G] tile (G = 1, 2 or 4): one 32-wide scale group of a TMA box that
+    spans G of them. Halves by reshape / permute / split, which Triton lowers to views of the box in shared memory
+    (no copies: offline sm_90 SASS), so a step's groups can come in one box."""
+    R: tl.constexpr = w.shape[0]
+    if G == 1:
+        out = w
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(w, (R, 2, 16 * G)), (0, 2, 1)))
+        if G == 2:
+            if j == 0:
+                out = lo
+            else:
+                out = hi
+        else:
+            if j < 2:
+                half = lo
+            else:
+                half = hi
+            lo2, hi2 = tl.split(tl.permute(tl.reshape(half, (R, 2, 32)), (0, 2, 1)))
+            if j % 2 == 0:
+                out = lo2
+            else:
+                out = hi2
+    return out
+
+
+TMA_BOX_K = 128  # widest box along K: 128 bytes of E4M3 a row, the widest the copy engine swizzles
+
+
+def tma_box_k(block_k: int) -> int:
+    """K-width of the weight boxes of a step of block_k: the whole step where it fits one box, else 128."""
+    return min(block_k, TMA_BOX_K)
+
+
 def tma_descriptor(name: str, data: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A host TMA descriptor of `data` (unit stride last, 16-byte aligned base and strides, as the copy engine
     needs) loading `block`-shaped boxes; out-of-bounds parts of a box read as zero."""

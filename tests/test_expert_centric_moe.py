@@ -140,13 +140,14 @@ def test_f16_rel_matches_reference(case):
 FP8_CPU_CONFIG = ExpertCentricConfig(16, GemmConfig(64, 32), GemmConfig(64, 32))
 
 
-@pytest.mark.parametrize("case", ["mxfp8_odd", "mxfp8_skewed", "mxfp8_k1_e12", "packed_scales", "tma"])
+@pytest.mark.parametrize("case", ["mxfp8_odd", "mxfp8_skewed", "mxfp8_k1_e12", "packed_scales", "tma", "tma_wide"])
 def test_fp8_matches_reference(case):
     """FP8 dots on the stored weights, hidden split exactly and act to ~8 bits: within the BF16 variant's bounds,
     and closer to FP32 than it (the interpreter truncates the BF16 variant's act; the split rounds to nearest).
     packed_scales: block_k 128 for gate_up and 64 for down, so scales load 4 and 2 to a word (mx_tiles). tma: the
     weight tiles as TMA boxes, n blocks past I and H included (zeros, and the next expert's rows, masked), and
-    down's activation tiles too (tma_act): the same bits as cp.async."""
+    down's activation tiles too (tma_act): the same bits as cp.async. tma_wide: boxes of 64 and 128 along K, each
+    split into its 32-wide scale groups, against cp.async on the same tiles."""
     config = FP8_CPU_CONFIG
     if case == "packed_scales":
         args = _problem(T=6, k=2, E=5, H=256, I=128, mx=True, seed=4)
@@ -162,6 +163,17 @@ def test_fp8_matches_reference(case):
         wide = ExpertCentricConfig(16, GemmConfig(128, 32, tma=True), GemmConfig(256, 32, tma=True, tma_act=True))
         assert torch.equal(_run(args, config=wide, dequant="fp8"), want)
         config = ExpertCentricConfig(16, GemmConfig(64, 32, tma=True), GemmConfig(64, 32, tma=True, tma_act=True))
+    elif case == "tma_wide":
+        # A step's groups in one box (mx_tiles.k_group): gate_up's rows past I (problem a) and down's past H (b).
+        for T, H, I, gate_up_n, down_n, block_ks in ((6, 256, 160, 64, 64, ((128, 32), (64, 32))),
+                                                     (7, 160, 128, 32, 64, ((32, 128), (32, 64)))):
+            args = _problem(T=T, k=2, E=5, H=H, I=I, mx=True, seed=H)
+            for gate_up_k, down_k in block_ks:
+                loads = ExpertCentricConfig(16, GemmConfig(gate_up_n, gate_up_k), GemmConfig(down_n, down_k))
+                boxes = ExpertCentricConfig(16, GemmConfig(gate_up_n, gate_up_k, tma=True),
+                                            GemmConfig(down_n, down_k, tma=True))
+                assert torch.equal(_run(args, config=boxes, dequant="fp8"), _run(args, config=loads, dequant="fp8")), \
+                    (H, I, gate_up_k, down_k)
     elif case == "mxfp8_odd":
         args = _problem(T=7, k=3, E=6, H=96, I=160, mx=True, seed=1)
     elif case == "mxfp8_skewed":

@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "kernels.moe_gate_up_fp8:_gate_up_fp8_kernel"
 SIG = ("x_ptr=*fp8e4nv,xs_ptr=*u8,sorted_ptr=*i32,block_expert_ptr=*i32,d_ptr=*fp8e4nv,"
-       "w_desc=tensordesc<fp8e4nv[1, 2, 64, 32]>,s_ptr=*i16,a_ptr=*u8,as_ptr=*u8")
-CONST = "H=2048,I=768,K_TOP=8,F32_DOT=False,TMA=True,BLOCK_M=16,BLOCK_N=64,BLOCK_K=64"
+       "w_desc=tensordesc<fp8e4nv[1, 2, 64, 64]>,s_ptr=*i16,a_ptr=*u8,as_ptr=*u8")
+CONST = "H=2048,I=768,K_TOP=8,F32_DOT=False,TMA=True,BLOCK_M=16,BLOCK_N=64,BLOCK_K=64,BOX_K=64"
 
 
 def _run(*args):
@@ -26,9 +26,9 @@ def test_fp8_gate_up_loop(tmp_path):
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert 32 < r["registers"] <= 255 and not r["spills"] and r["shared_bytes"] > 0
-    # The K loop: 2 groups a step, each one FP8 dot of two m64 wgmmas, weights by TMA; the hidden tile by cp.async,
-    # which needs the 16-byte alignment the JIT gives (without it, byte-wide synchronous LDGs)
-    assert r["loop_ops"]["QGMMA"] == 4 and r["loop_ops"]["UTMALDG"] >= 1 and r["loop_ops"]["LDGSTS"] >= 1
+    # The K loop: 2 groups a step, each one FP8 dot of two m64 wgmmas, the weights of both in one TMA box; the hidden
+    # tile by cp.async, which needs the 16-byte alignment the JIT gives (without it, byte-wide synchronous LDGs)
+    assert r["loop_ops"]["QGMMA"] == 4 and r["loop_ops"]["UTMALDG"] == 1 and r["loop_ops"]["LDGSTS"] >= 1
     assert 0 < r["loop_instructions"] < r["instructions"]
     assert "QGMMA" in (tmp_path / "k.sass").read_text()
 
