@@ -497,13 +497,13 @@ def test_tma_refuses_misaligned_weights_and_other_modes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 37, 64])
-def test_gpu_tma_matches_cp_async(T):
+@pytest.mark.parametrize("T, block_k", [(1, 128), (37, 128), (64, 128), (37, 64), (64, 256)])
+def test_gpu_tma_matches_cp_async(T, block_k):
     """TMA weight boxes (and down's activation boxes) at the 30B shape: the same operands reach the same dots, so
-    the same bits as cp.async."""
+    the same bits as cp.async; a step's box spans 2 groups (block_k 64), 4 (128) or two boxes of 4 (256)."""
     args = _problem(T=T, k=8, E=128, H=2048, I=768, mx=True, device="cuda", seed=50 + T)
-    outs = [_run(args, dequant="fp8", config=ExpertCentricConfig(16, GemmConfig(32, 128, tma=tma),
-                                                                  GemmConfig(64, 128, tma=tma, tma_act=act)))
+    outs = [_run(args, dequant="fp8", config=ExpertCentricConfig(16, GemmConfig(32, block_k, tma=tma),
+                                                                  GemmConfig(64, block_k, tma=tma, tma_act=act)))
             for tma, act in ((True, True), (True, False), (False, False))]
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
