@@ -103,7 +103,7 @@ def moe_down_fp8(act: FP8Split, sorted_ids, block_expert, topk_weights, w2: MXFP
     grid = (triton.cdiv(H, block_n), S // block_m)
     # TMA: [block_n, box_k] boxes of w2 viewed [E * H, I]; a box past an expert's H rows reads the next expert's
     # (finite values whose outputs are masked at the store), past the last expert's zeros.
-    box_k = tma_box_k(block_k) if tma else 32
+    box_k = tma_box_k(block_k, tma)
     w_desc = tma_descriptor("w2", w2.data.view(E * H, I), [block_n, box_k]) if tma else w2.data
     a_desc = tma_descriptor("act", act.data.view(2 * S, I), [2 * block_m, 32]) if tma_act else act.data
     _down_fp8_kernel[grid](act.data, a_desc, packed_scales(act.scales, block_k), sorted_ids, block_expert,

@@ -123,7 +123,7 @@ def moe_gate_up_fp8(x: FP8Split, sorted_ids, block_expert, w13: MXFP8Tensor, act
                          f"I={I} multiples of 32 (the scale groups)")
     grid = (triton.cdiv(I, block_n), S // block_m)
     # TMA: the step's gate and up rows as [1, 2, block_n, box_k] boxes of w13 viewed [E, 2, I, H] (rows past I read 0).
-    box_k = tma_box_k(block_k) if tma else 32
+    box_k = tma_box_k(block_k, tma)
     w_desc = tma_descriptor("w13", w13.data.view(E, 2, I, H), [1, 2, block_n, box_k]) if tma else w13.data
     _gate_up_fp8_kernel[grid](x.data, x.scales, sorted_ids, block_expert, w13.data, w_desc,
                               packed_scales(w13.scales, block_k), act.data.view(torch.uint8), act.scales, num_pairs, H,

@@ -198,9 +198,10 @@ def k_group(w, j: tl.constexpr, G: tl.constexpr):
 TMA_BOX_K = 128  # widest box along K: 128 bytes of E4M3 a row, the widest the copy engine swizzles
 
 
-def tma_box_k(block_k: int) -> int:
-    """K-width of the weight boxes of a step of block_k: the whole step where it fits one box, else 128."""
-    return min(block_k, TMA_BOX_K)
+def tma_box_k(block_k: int, tma: bool) -> int:
+    """K-width of the weight loads of a step of block_k: with TMA the whole step where it fits one box, else 128;
+    per-thread copies take one 32-wide group at a time."""
+    return min(block_k, TMA_BOX_K) if tma else 32
 
 
 def tma_descriptor(name: str, data: torch.Tensor, block: list[int]) -> TensorDescriptor:
