@@ -2,9 +2,13 @@
 
 A kernel path is a function
 
-    moe(hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k], w13, w2) -> [T, H]
+    moe(hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k], w13, w2, combine=True) -> [T, H]
 
-with w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] held as dense tensors or MXFP8Tensor.
+with w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] held as dense tensors or MXFP8Tensor. With
+combine=False a path that computes one row per (token, expert) pair may return those rows unsummed
+(kernels.moe_combine.PairRows), which the fused add + RMSNorm after the block sums in its own launch: the
+expert-centric path's combine launch leaves the decode step (docs/perf.md). Only the fused (triton) dense path
+asks for it, and every consumer of a block's output there takes either form.
 The model only routes and calls the path it was built with, so a Triton path plugs in by adding an
 entry to `KERNEL_PATHS`, without touching the model. The router follows Hugging Face: logits in the
 model dtype, softmax in FP32, top-k, renormalisation when `norm_topk_prob`; the routing weights stay
@@ -28,6 +32,7 @@ from kernels import (
     warp_decode_moe,
 )
 from kernels.expert_centric_moe import table_source
+from kernels.moe_combine import PairRows
 from kernels.router_gate_topk import router_gate_topk
 from kernels.skinny_gemm import gemm_counter
 
@@ -41,23 +46,23 @@ MoEPath = Callable[..., torch.Tensor]
 FUSED_ROUTER_MAX_T = 2
 
 
-def _torch_path(hidden, topk_weights, topk_ids, w13, w2):
+def _torch_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
     return moe_reference(hidden, topk_weights, topk_ids, w13, w2)
 
 
-def _warp_decode_path(hidden, topk_weights, topk_ids, w13, w2):
+def _warp_decode_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
     # The launcher rejects what it cannot run (FP32 activations or weights, CPU tensors outside Triton's
     # interpreter) with an error naming the argument, rather than this path quietly computing in torch.
     return warp_decode_moe(hidden, topk_weights, topk_ids, w13, w2)
 
 
-def _expert_centric_path(hidden, topk_weights, topk_ids, w13, w2):
-    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2)
+def _expert_centric_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
+    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2, combine=combine)
 
 
-def _auto_path(hidden, topk_weights, topk_ids, w13, w2):
+def _auto_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
     # Warp decode up to the crossover T measured on this GPU (kernels/configs/), expert-centric above it.
-    return auto_moe(hidden, topk_weights, topk_ids, w13, w2)
+    return auto_moe(hidden, topk_weights, topk_ids, w13, w2, combine=combine)
 
 
 KERNEL_PATHS: dict[str, MoEPath] = {"torch": _torch_path, "warp_decode": _warp_decode_path,
@@ -110,9 +115,10 @@ class SparseMoE(nn.Module):
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("gate_counter", gemm_counter(num_experts, device), persistent=False)  # skinny_gemm's
 
-    def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor | PairRows:
         """x [..., H]; `capture` (composer_rollout.engine.capture.ExpertCapture, or None) records this layer's
-        expert ids when the engine asks for them."""
+        expert ids when the engine asks for them. On the fused path (fused_router) the output may be PairRows
+        (the module docstring)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         cap = None if capture is None else capture.layer(layer)
@@ -121,7 +127,8 @@ class SparseMoE(nn.Module):
         logits = (fused_linear(flat, self.gate.weight, torch.float32, self.gate_counter) if self.fused_router
                   else F.linear(flat, self.gate.weight))
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
-        return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)
+        out = self.moe_fn(flat, weights, ids, self.w13, self.w2, combine=not self.fused_router)
+        return out.reshape(shape)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm, layer: int = 0, capture=None):
         """(the block's output for norm(x + residual), x + residual) on the fused path, the sum in FP32 (`norm` the
@@ -135,5 +142,5 @@ class SparseMoE(nn.Module):
         routing = router_gate_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob, self.router_counter,
                                    capture_out=None if capture is None else capture.layer(layer),
                                    add_norm=(residual.reshape(flat.shape), norm.weight, norm.eps))
-        out = self.moe_fn(routing.normed, routing.weights, routing.ids, self.w13, self.w2)
+        out = self.moe_fn(routing.normed, routing.weights, routing.ids, self.w13, self.w2, combine=False)
         return out.reshape(shape), routing.residual.view(shape)
