@@ -13,6 +13,10 @@ Usage: python3 jobs/sass_report.py MODULE:KERNEL --sig "x_ptr=*fp8e4nv,P=i32,...
     [--warps 4] [--stages 3] [--sass FILE]
 --sig names every runtime argument with Triton's signature types (*bf16, *fp8e4nv, *i32, i32, fp32,
 tensordesc<fp8e4nv[1, 2, 64, 32]>); --const every constexpr (ints, True / False, or tl dtypes as "tl.bfloat16").
+Give each pointer the dtype its launcher passes for those constexprs: the FP8 GEMMs' scale words are *i16 at
+BLOCK_K 64, *i32 at 128, *i64 at 256 (mx_tiles.packed_scales). With a narrower word the byte shifts pass the word's
+width, LLVM treats the result as poison, and the dots that depend on it vanish from the SASS (seen: gate_up n32
+k256 compiled with *i16 reported no QGMMA, 32 registers and a 128-instruction loop, against 389 with *i64).
 Prints a table and ends with one JSON line.
 """
 

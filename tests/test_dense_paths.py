@@ -11,7 +11,7 @@ import torch
 from composer_rollout import RolloutEngine, SamplingParams
 from composer_rollout.config import EngineConfig
 from composer_rollout.engine.capture import ExpertCapture
-from composer_rollout.model import Packed, Qwen3MoE, preset
+from composer_rollout.model import Packed, Qwen3MoE, moe, preset
 from composer_rollout.model.checkpoint import hub_state_dict
 from jobs.bench_decode import fp32_twin
 
@@ -91,11 +91,13 @@ def test_fused_add_norms_at_every_decode_batch(batch):
     assert err.mean() < hf_err.mean(), (err.mean(), hf_err.mean())
 
 
-@pytest.mark.parametrize("batch", [1, 12])
-def test_moe_pair_rows_summed_by_the_next_norm_keep_the_bits(batch):
-    """On the triton backend an expert-centric MoE block returns its pair rows (kernels.moe_combine.PairRows) and
-    the next add + norm sums them (at batch 1 the qkv launch's norm prologue takes them summed by the combine
-    first): the final hidden states are the bits of the same model whose blocks combine before returning."""
+@pytest.mark.parametrize("batch,limit,kind", [(1, 1024, "PairRows"), (12, 1024, "PairRows"), (12, 11, "Tensor")])
+def test_moe_pair_rows_summed_by_the_next_norm_keep_the_bits(batch, limit, kind, monkeypatch):
+    """On the triton backend an expert-centric MoE block of up to moe.DEFERRED_COMBINE_MAX_T tokens returns its pair
+    rows (kernels.moe_combine.PairRows) and the next add + norm sums them (at batch 1 the qkv launch's norm prologue
+    takes them summed by the combine first); above, it combines them itself. Either way the final hidden states
+    are the bits of the same model whose blocks always combine before returning."""
+    monkeypatch.setattr(moe, "DEFERRED_COMBINE_MAX_T", limit)
     deferred, combined = model("triton", "expert_centric", layers=2), model("triton", "expert_centric", layers=2)
     kinds = []
     for layer in deferred.layers:
@@ -113,7 +115,7 @@ def test_moe_pair_rows_summed_by_the_next_norm_keep_the_bits(batch):
     slots = torch.arange(batch, device=DEVICE)
     with torch.inference_mode():
         got, want = (m(ids, pos, slots, m.new_kv_cache(batch, 4)) for m in (deferred, combined))
-    assert kinds == ["PairRows", "PairRows"]
+    assert kinds == [kind, kind]
     assert torch.equal(got, want)
 
 

@@ -8,7 +8,7 @@ with w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] held as dense tensors 
 combine=False a path that computes one row per (token, expert) pair may return those rows unsummed
 (kernels.moe_combine.PairRows), which the fused add + RMSNorm after the block sums in its own launch: the
 expert-centric path's combine launch leaves the decode step (docs/perf.md). Only the fused (triton) dense path
-asks for it, and every consumer of a block's output there takes either form.
+asks for it (up to DEFERRED_COMBINE_MAX_T tokens), and every consumer of a block's output there takes either form.
 The model only routes and calls the path it was built with, so a Triton path plugs in by adding an
 entry to `KERNEL_PATHS`, without touching the model. The router follows Hugging Face: logits in the
 model dtype, softmax in FP32, top-k, renormalisation when `norm_topk_prob`; the routing weights stay
@@ -44,6 +44,11 @@ MoEPath = Callable[..., torch.Tensor]
 # 5.81) but by less than the 30B shape gains. The single launch's one program per gate block holds all T rows. In
 # the 30B decode step, 16 -> 8 took B = 16 from 11.34 to 9.82 ms; 8 -> 2 moved B = 8 by -27 µs, within the noise.
 FUSED_ROUTER_MAX_T = 2
+# Up to this many tokens the fused path leaves the expert-centric combine to the next add + norm (PairRows): a
+# decode step saves a launch per layer. Above (prefill chunks) the block combines at once: deferred rows stay
+# allocated while the next layer's MoE allocates its own (the caller still holds them), 64 MB at 1024 tokens of
+# the 30B shape and 537 MB at 8192, for a launch that is < 1% of such a layer.
+DEFERRED_COMBINE_MAX_T = 1024
 
 
 def _torch_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
@@ -117,8 +122,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor | PairRows:
         """x [..., H]; `capture` (composer_rollout.engine.capture.ExpertCapture, or None) records this layer's
-        expert ids when the engine asks for them. On the fused path (fused_router) the output may be PairRows
-        (the module docstring)."""
+        expert ids when the engine asks for them. On the fused path (fused_router) the output of up to
+        DEFERRED_COMBINE_MAX_T tokens may be PairRows (the module docstring)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         cap = None if capture is None else capture.layer(layer)
@@ -127,7 +132,8 @@ class SparseMoE(nn.Module):
         logits = (fused_linear(flat, self.gate.weight, torch.float32, self.gate_counter) if self.fused_router
                   else F.linear(flat, self.gate.weight))
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
-        out = self.moe_fn(flat, weights, ids, self.w13, self.w2, combine=not self.fused_router)
+        defer = self.fused_router and flat.shape[0] <= DEFERRED_COMBINE_MAX_T
+        out = self.moe_fn(flat, weights, ids, self.w13, self.w2, combine=not defer)
         return out.reshape(shape)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm, layer: int = 0, capture=None):
