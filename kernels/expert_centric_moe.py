@@ -9,8 +9,7 @@ Layout (as kernels/warp_decode_moe.py, whose argument checks this path shares):
     sorted_ids [S] int32, block_expert [S / BLOCK_M] int32   act [S, I] bf16   part [P, H] fp32   out [T, H] bf16
 Four launches: align (sort pairs by expert, pad each expert to BLOCK_M rows; with dequant "fp8" it also splits the
 hidden rows), gate_up (grouped GEMM, SiLU(gate) * up fused), down (grouped GEMM, routing weight applied), combine (each
-token's k rows of `part` summed in a fixed order: deterministic, no atomics; with combine=False the rows are returned
-as moe_combine.PairRows for the next RMSNorm to sum, kernels/rmsnorm.py). No host sync and fixed buffer sizes
+token's k rows of `part` summed in a fixed order: deterministic, no atomics). No host sync and fixed buffer sizes
 (the worst case over routings), so a layer captures in a CUDA graph. Tensor-core GEMMs (tl.dot, BF16 operands,
 FP32 accumulate) with MXFP8 weights dequantized in the prologue; under Triton's interpreter (CPU tests) the dots
 run in FP32 instead.
@@ -50,7 +49,7 @@ import torch
 
 from kernels.fp8_split import FP8Split
 from kernels.moe_align import moe_align
-from kernels.moe_combine import PairRows, moe_combine
+from kernels.moe_combine import moe_combine
 from kernels.moe_down import moe_down
 from kernels.moe_down_fp8 import moe_down_fp8
 from kernels.moe_gate_up import moe_gate_up
@@ -229,9 +228,8 @@ def crossover_tokens(E: int, H: int, I: int, k: int, device: torch.device, dequa
 
 def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
                        act_dtype: str = "bf16", dequant: str = "auto", config: ExpertCentricConfig | None = None,
-                       out: torch.Tensor | None = None, combine: bool = True) -> torch.Tensor | PairRows:
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of T tokens, [T, H] bf16, written to `out` if given; `config` None: tuned_config.
-    combine=False: their per-pair rows instead (PairRows; no `out`), the combine left to the consumer.
     dequant: the GEMMs' operand mode, "bf16", "f16_rel" or "fp8" (these two with MXFP8 weights only), or "auto"
     (pick_dequant: "fp8" for MXFP8 weights up to FP8_MAX_TOKENS, else "bf16")."""
     check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
@@ -250,20 +248,18 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if dequant == "fp8" and act_dtype != "bf16":
         raise ValueError(f"dequant 'fp8' splits the activations itself; act_dtype must be 'bf16', got {act_dtype!r}")
     (T, H), k, E, I = hidden.shape, topk_ids.shape[1], w13.shape[0], w2.shape[-1]
-    if not combine and out is not None:
-        raise ValueError("out is given with combine=False: the per-pair rows are returned, nothing is written to out")
     out = torch.empty_like(hidden) if out is None else out
     check_tensor("out", out, torch.bfloat16, (T, H), hidden.device)
     if T == 0:
-        return out if combine else PairRows(torch.empty(0, H, device=hidden.device), k, (0, H))
+        return out
     if T > 65535:  # the combine grid's second dimension, a CUDA limit
         raise ValueError(f"hidden has {T} tokens, more than 65535: split the batch")
     cfg = config or tuned_config(T, E, H, I, k, hidden.device, dequant)
     if cfg.gate_up.tma_act:
         raise ValueError("tma_act is a tile option of down only: gate_up gathers its tokens' rows")
     if dequant == "fp8":
-        part = _fp8_gemms(hidden, topk_weights, *moe_align(topk_ids, E, cfg.block_m, split=hidden), w13, w2, cfg)
-        return moe_combine(part, out, k) if combine else PairRows(part, k, (T, H))
+        _fp8_gemms(hidden, topk_weights, *moe_align(topk_ids, E, cfg.block_m, split=hidden), w13, w2, cfg, out)
+        return out
     sorted_ids, block_expert = moe_align(topk_ids, E, cfg.block_m)
     S = sorted_ids.shape[0]
     if cfg.gate_up.tma or cfg.down.tma or cfg.down.tma_act:
@@ -280,14 +276,15 @@ def expert_centric_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     moe_down(mxfp8_quantize(act) if mx_act else act, sorted_ids, block_expert, topk_weights, w2, part,
              block_m=cfg.block_m, block_n=d.block_n, block_k=d.block_k, num_warps=d.num_warps,
              num_stages=d.num_stages, dequant=dequant)
-    return moe_combine(part, out, k) if combine else PairRows(part, k, (T, H))
+    moe_combine(part, out, k)
+    return out
 
 
 def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8Split, w13, w2,
-               cfg: ExpertCentricConfig) -> torch.Tensor:
+               cfg: ExpertCentricConfig, out) -> None:
     """dequant "fp8": both GEMMs on FP8 dots over the hidden rows split per token (by the align launch), act split
-    per 32 between them; returns the pair rows `part` [P, H] fp32. The tiles' block_k is cut to a divisor of the
-    reduction (the FP8 kernels take whole 32-wide groups per step)."""
+    per 32 between them, combine. The tiles' block_k is cut to a divisor of the reduction (the FP8 kernels take
+    whole 32-wide groups per step)."""
     (T, H), k, I = hidden.shape, topk_weights.shape[1], w2.shape[-1]
     S, dev = sorted_ids.shape[0], hidden.device
     act = FP8Split.empty(S, I, I // 32, dev)
@@ -299,16 +296,14 @@ def _fp8_gemms(hidden, topk_weights, sorted_ids, block_expert, hidden_split: FP8
     moe_down_fp8(act, sorted_ids, block_expert, topk_weights, w2, part, block_m=cfg.block_m,
                  block_n=d.block_n, block_k=math.gcd(d.block_k, I), num_warps=d.num_warps, num_stages=d.num_stages,
                  tma=d.tma, tma_act=d.tma_act)
-    return part
+    moe_combine(part, out, k)
 
 
 def auto_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, *,
-             crossover: int | None = None, out: torch.Tensor | None = None,
-             combine: bool = True) -> torch.Tensor | PairRows:
+             crossover: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Warp decode (its own auto schedule) for T <= crossover, expert-centric (dequant "auto") above; `crossover`
     None: the one measured against the operand mode that runs just above it, FP8 dots for MXFP8 weights
-    (crossover_tokens). T is a shape, so a CUDA graph captures one branch per batch size. combine=False: the
-    expert-centric branch returns its per-pair rows (PairRows); warp decode's output is already summed."""
+    (crossover_tokens). T is a shape, so a CUDA graph captures one branch per batch size."""
     check_kernel_args(hidden, topk_weights, topk_ids, w13, w2)
     if crossover is None:
         mode = pick_dequant("auto", 1, isinstance(w13, MXFP8Tensor))
@@ -316,4 +311,4 @@ def auto_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                                      mode)
     if hidden.shape[0] <= crossover:
         return warp_decode_moe(hidden, topk_weights, topk_ids, w13, w2, out=out)
-    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2, out=out, combine=combine)
+    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2, out=out)

@@ -17,13 +17,10 @@ rounded on its own, as in torch. What still differs: the order of the sum, and r
 approximation, ~2 ulp, as torch's CUDA rsqrtf; 1 / sqrt under the interpreter). So a normalised value at a BF16
 rounding boundary may round the other way: out is then one BF16 step off (two, where a weight < 1 takes the
 product into a lower binade). Rare: none at H = 2048 in the tests, ~1 in 10^5 elements at H = 96 or 200.
-x may also be a MoE block's output not yet combined (kernels/moe_combine.PairRows: k FP32 rows per token): the
-program sums a token's rows as the combine launch would (moe_combine.sum_pair_rows, then the same BF16 rounding),
-so the result has the bits of rms_norm(moe_combine(...)) in one launch instead of two (the expert-centric decode
-step at B = 16-128; docs/perf.md).
 Each program holds whole rows in registers (BLOCK = next_power_of_2(H)); small H packs several rows per program.
-Bytes: T * H * 2 read (x; 4 in fp32, T * k * H * 4 as pair rows), + T * H * 2 read and T * H * 2 written with a BF16
-residual (4 and 4 with an FP32 one), T * H * 2 written (out), H * 2 read per program (weight).
+Bytes: T * H * 2 read (x; 4 in fp32), + T * H * 2 read and T * H * 2 written with a BF16 residual (4 and 4 with an FP32
+one), T * H * 2 written (out),
+H * 2 read per program (weight).
 Outputs must not overlap inputs (checked): in-place use is not supported.
 """
 
@@ -31,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bf16_bits import round_bf16, widen_bf16
-from kernels.moe_combine import PairRows, sum_pair_rows
 from kernels.moe_reference import check_tensor, overlaps
 from kernels.mx_tiles import pdl_launch
 
@@ -40,9 +35,26 @@ MAX_H = 8192  # 16 values per thread per row tensor on 16 warps (36 registers on
 
 
 @triton.jit
+def widen_bf16(v):
+    """BF16 -> FP32 through the bits (exact): Triton's interpreter flushes BF16 denormals in its cast."""
+    return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16(v, INTERPRET: tl.constexpr):
+    """FP32 -> BF16 rounded to nearest even. The interpreter's cast truncates, so there the rounding is done on
+    the bits (NaN kept NaN: the carry would turn a canonical NaN into -0); on the GPU it is one cvt.rn."""
+    if INTERPRET:
+        b = v.to(tl.int32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.constexpr, BLOCK: tl.constexpr,
                     ROWS: tl.constexpr, HAS_RES: tl.constexpr, RES_F32: tl.constexpr, X_F32: tl.constexpr,
-                    K_PAIRS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                    INTERPRET: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see mx_tiles.pdl_launch: the next launch may start now; no memory access before the wait
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -50,12 +62,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, T, eps, H: tl.c
     col = tl.arange(0, BLOCK)
     m = (row < T)[:, None] & (col < H)[None, :]
     offs = row.to(tl.int64)[:, None] * H + col[None, :]  # int64: T * H may pass 2^31 in a long prefill
-    if K_PAIRS > 0:  # x is pair rows: the combine's sum and its BF16 rounding, in registers
-        s = widen_bf16(round_bf16(sum_pair_rows(x_ptr, row.to(tl.int64)[:, None], col[None, :], m, H, K_PAIRS),
-                                  INTERPRET))
-    else:
-        s = tl.load(x_ptr + offs, mask=m, other=0.0)
-        s = s if X_F32 else widen_bf16(s)
+    s = tl.load(x_ptr + offs, mask=m, other=0.0)
+    s = s if X_F32 else widen_bf16(s)
     if HAS_RES:
         if RES_F32:
             s = s + tl.load(res_ptr + offs, mask=m, other=0.0)
@@ -92,26 +100,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
     """(normed [T, H], residual_sum [T, H] or None): the RMSNorm of x, or of s = x + residual (written to
     `residual_out`, the stream the next residual add reads) when `residual` is given. The residual is bf16 or
-    fp32 and residual_out has its dtype; x is bf16, or fp32 with an fp32 residual, or PairRows of shape [T, H]
-    (summed and rounded to BF16 first, as moe_combine does). `out` and `residual_out` are allocated when None;
-    neither may overlap x, residual or weight."""
-    pairs = x if isinstance(x, PairRows) else None
-    if pairs is not None:
-        if len(pairs.shape) != 2:
-            raise ValueError(f"x: pair rows must stand for [T, H], got shape {tuple(pairs.shape)}")
-        x = pairs.part  # checked by PairRows; the launch reads it, the checks below take its shape and dtype as x's
+    fp32 and residual_out has its dtype; x is bf16, or fp32 with an fp32 residual. `out` and `residual_out` are
+    allocated when None; neither may overlap x, residual or weight."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"x must be a bfloat16 or float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    x_f32 = x.dtype == torch.float32 and pairs is None
+    x_f32 = x.dtype == torch.float32
     if x_f32 and (residual is None or residual.dtype != torch.float32):
         raise TypeError("x is float32 but residual is not: an fp32 x is added to an fp32 residual stream only")
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape if pairs is None else pairs.shape
+    T, H = x.shape
     if not 1 <= H <= MAX_H:
         raise ValueError(f"x: H must be in 1..{MAX_H}, got shape {tuple(x.shape)}")
-    if pairs is None:
-        check_tensor("x", x, x.dtype, (T, H), x.device)
+    check_tensor("x", x, x.dtype, (T, H), x.device)
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(f"x is on {x.device}: the kernel needs CUDA tensors (or Triton's interpreter)")
     check_tensor("weight", weight, torch.bfloat16, (H,), x.device)
@@ -139,7 +140,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                                  out if residual_out is None else residual_out, T, float(eps), H=H,
                                                  BLOCK=block, ROWS=rows, HAS_RES=residual is not None,
                                                  RES_F32=res_f32, X_F32=x_f32,
-                                                 K_PAIRS=0 if pairs is None else pairs.top_k,
                                                  INTERPRET=triton.knobs.runtime.interpret, num_warps=warps,
                                                  enable_fp_fusion=False, **pdl_launch())
     return out, residual_out

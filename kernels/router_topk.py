@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.bf16_bits import widen_bf16
 from kernels.moe_reference import check_tensor
 from kernels.mx_tiles import pdl_launch
+from kernels.rmsnorm import widen_bf16
 
 CAPTURE_DTYPES = (torch.uint8, torch.int16, torch.int32)
 MAX_E = 512  # 16 keys per thread on one warp per token: 64 registers on sm_90, no spills; more would grow that

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bf16_bits import round_bf16
 from kernels.mx_tiles import pdl_launch
+from kernels.rmsnorm import round_bf16
 from kernels.skinny_linear import check_skinny, make_out, skinny_linear_reference
 
 MAX_T = 128  # tokens per call: above, cuBLAS's larger tiles take over (the weight is no longer the whole cost)

@@ -50,10 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bf16_bits import round_bf16, widen_bf16
 from kernels.moe_reference import check_tensor, overlaps
 from kernels.mx_tiles import pdl_launch
-from kernels.rmsnorm import check_eps, rms_norm_reference
+from kernels.rmsnorm import check_eps, rms_norm_reference, round_bf16, widen_bf16
 
 MAX_T = 16  # tokens per call; the caller uses cuBLAS above (the FMAs grow with T, the bytes do not)
 OUT_DTYPES = (torch.bfloat16, torch.float32)

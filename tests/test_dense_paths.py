@@ -11,7 +11,7 @@ import torch
 from composer_rollout import RolloutEngine, SamplingParams
 from composer_rollout.config import EngineConfig
 from composer_rollout.engine.capture import ExpertCapture
-from composer_rollout.model import Packed, Qwen3MoE, moe, preset
+from composer_rollout.model import Packed, Qwen3MoE, preset
 from composer_rollout.model.checkpoint import hub_state_dict
 from jobs.bench_decode import fp32_twin
 
@@ -91,34 +91,6 @@ def test_fused_add_norms_at_every_decode_batch(batch):
     assert err.mean() < hf_err.mean(), (err.mean(), hf_err.mean())
 
 
-@pytest.mark.parametrize("batch,limit,kind", [(1, 1024, "PairRows"), (12, 1024, "PairRows"), (12, 11, "Tensor")])
-def test_moe_pair_rows_summed_by_the_next_norm_keep_the_bits(batch, limit, kind, monkeypatch):
-    """On the triton backend an expert-centric MoE block of up to moe.DEFERRED_COMBINE_MAX_T tokens returns its pair
-    rows (kernels.moe_combine.PairRows) and the next add + norm sums them (at batch 1 the qkv launch's norm prologue
-    takes them summed by the combine first); above, it combines them itself. Either way the final hidden states
-    are the bits of the same model whose blocks always combine before returning."""
-    monkeypatch.setattr(moe, "DEFERRED_COMBINE_MAX_T", limit)
-    deferred, combined = model("triton", "expert_centric", layers=2), model("triton", "expert_centric", layers=2)
-    kinds = []
-    for layer in deferred.layers:
-        run_experts = layer.mlp.moe_fn
-
-        def experts(*args, run=run_experts, **kw):
-            out = run(*args, **kw)
-            kinds.append(type(out).__name__)
-            return out
-        layer.mlp.moe_fn = experts
-    for layer in combined.layers:
-        layer.mlp.moe_fn = lambda *args, run=layer.mlp.moe_fn, combine=True: run(*args, combine=True)
-    ids = torch.randint(2, 512, (batch, 1), generator=torch.Generator().manual_seed(batch)).to(DEVICE)
-    pos = torch.zeros(batch, 1, dtype=torch.long, device=DEVICE)
-    slots = torch.arange(batch, device=DEVICE)
-    with torch.inference_mode():
-        got, want = (m(ids, pos, slots, m.new_kv_cache(batch, 4)) for m in (deferred, combined))
-    assert kinds == [kind, kind]
-    assert torch.equal(got, want)
-
-
 def test_triton_dense_backend_refuses_fp32_instead_of_falling_back():
     with pytest.raises(ValueError, match="dense backend 'triton' needs a bfloat16 model, got dtype torch.float32"):
         model("triton", dtype=torch.float32)
@@ -194,9 +166,9 @@ def test_the_router_writes_the_capture_rows_of_its_layer(dense, tokens):
     capture.ids.fill_(255)
     seen, run_experts = [], mlp.moe_fn
 
-    def experts(flat, weights, ids, w13, w2, **kw):
+    def experts(flat, weights, ids, w13, w2):
         seen.append(ids.clone())
-        return run_experts(flat, weights, ids, w13, w2, **kw)
+        return run_experts(flat, weights, ids, w13, w2)
 
     mlp.moe_fn = experts
     if dense == "triton":  # the decoder layer's call: the post-attention add + norm comes with the router

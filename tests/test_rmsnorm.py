@@ -10,7 +10,6 @@ a lower binade).
 import pytest
 import torch
 
-from kernels.moe_combine import PairRows, moe_combine, moe_combine_reference
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,40 +170,3 @@ def test_qwen3_30b_shape_on_gpu(T, with_residual):
     if with_residual:
         assert torch.equal(got_sum, want_sum)
     check(got, want, min_identical=0.99)
-
-
-@pytest.mark.parametrize("T,k,H", [(1, 8, 2048), (5, 3, 96), (9, 1, 200), (3, 8, 128)])
-@pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16, None])
-def test_pair_rows_give_the_bits_of_combine_then_norm(T, k, H, res_dtype):
-    """A MoE block's output left as pair rows (kernels/moe_combine.PairRows): the norm's launch sums them in the
-    combine's order and rounding, so the outputs and the residual sum are the same bits as rms_norm(moe_combine())."""
-    g = torch.Generator().manual_seed(T * 1000 + k * 10 + H)
-    part = torch.randn(T, k, H, generator=g) * 2
-    if k > 1:  # rows 0 and 1 cancel but leave their rounding: sums taken in another order give other bits
-        part[:, 0] += 3e4
-        part[:, 1] -= 3e4
-    flipped = part.flip(1).reshape(T * k, H).to(DEVICE)
-    part = part.reshape(T * k, H).to(DEVICE)
-    _, r, w = data(T, H, seed=T + H)
-    r = None if res_dtype is None else r.to(res_dtype)
-    rows = PairRows(part, k, (T, H))
-    combined = moe_combine(part, torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE), k)
-    assert torch.equal(combined, moe_combine_reference(part, k))
-    assert torch.equal(rows.combined(), combined)
-    got, got_sum = rms_norm(rows, w, EPS, r)
-    want, want_sum = rms_norm(combined, w, EPS, r)
-    assert torch.equal(got, want)
-    assert (got_sum is None and want_sum is None) or torch.equal(got_sum, want_sum)
-    if k > 1:  # the data can tell the order: summed last-to-first, some token's output is another BF16 value
-        assert not torch.equal(moe_combine_reference(flipped, k), combined)
-
-
-def test_pair_rows_check_their_shape():
-    part = torch.zeros(6, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="holds 2 tokens of top_k=3 rows, not the"):
-        PairRows(part, 3, (4, 64))
-    with pytest.raises(TypeError, match="part must be a torch.float32"):
-        PairRows(part.bfloat16(), 3, (2, 64))
-    assert PairRows(part, 3, (1, 2, 64)).view(-1, 64).shape == (2, 64)
-    with pytest.raises(ValueError, match="pair rows must stand for \\[T, H\\]"):
-        rms_norm(PairRows(part, 3, (1, 2, 64)), torch.ones(64, dtype=torch.bfloat16, device=DEVICE), EPS)

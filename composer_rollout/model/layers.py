@@ -38,7 +38,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import decode_attention, prefill_attention, qk_norm_rope, rms_norm, skinny_linear
 from kernels.decode_attention import NewKV, new_kv_pays
-from kernels.moe_combine import PairRows
 from kernels.skinny_gemm import gemm_counter, skinny_gemm
 from kernels.skinny_gemm import max_tokens as gemm_max_tokens
 from kernels.skinny_linear import add_norm_linear
@@ -61,8 +60,7 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool):
         """(norm(x + residual), x + residual), or (norm(x), x) when residual is None. fused: one Triton launch, and
         the residual stream is kept in FP32 (it starts as the widened embedding), so it is not rounded to BF16 twice
-        per layer (its effect against an FP32 model: docs/perf.md); x may then be a MoE block's PairRows, summed in
-        that launch. The torch path keeps Hugging Face's BF16 stream."""
+        per layer (its effect against an FP32 model: docs/perf.md). The torch path keeps Hugging Face's BF16 stream."""
         if not fused:
             x = x if residual is None else x + residual
             return self(x), x
@@ -198,14 +196,11 @@ class Attention(nn.Module):
                          packed: Packed | None = None):
         """(attention of norm(x + residual), x + residual) on the triton backend, the sum in FP32 (residual None at
         layer 0: the stream starts as the widened embedding); at a decode step's few tokens the add and the norm run
-        inside the qkv projection's launch (add_norm_linear). x: a tensor, or the MoE block's PairRows, which the
-        add + norm sums (kernels/rmsnorm.py)."""
+        inside the qkv projection's launch (add_norm_linear)."""
         B, S, H = x.shape
         if residual is None or B * S > skinny_max_tokens(self.qkv_weight.shape[0]):
             h, residual = norm.add_norm(x, residual, fused=True)
             return self._fused(h, positions, slots, layer, cache, inv_freq, packed), residual
-        if isinstance(x, PairRows):  # add_norm_linear's prologue reads the block output summed
-            x = x.combined()
         qkv, _, summed = add_norm_linear(x.view(B * S, H), residual.view(B * S, H), norm.weight, norm.eps,
                                          self.qkv_weight)
         return self._attend(qkv, positions, slots, layer, cache, inv_freq, packed), summed.view(B, S, H)

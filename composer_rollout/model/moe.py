@@ -2,13 +2,9 @@
 
 A kernel path is a function
 
-    moe(hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k], w13, w2, combine=True) -> [T, H]
+    moe(hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k], w13, w2) -> [T, H]
 
-with w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] held as dense tensors or MXFP8Tensor. With
-combine=False a path that computes one row per (token, expert) pair may return those rows unsummed
-(kernels.moe_combine.PairRows), which the fused add + RMSNorm after the block sums in its own launch: the
-expert-centric path's combine launch leaves the decode step (docs/perf.md). Only the fused (triton) dense path
-asks for it (up to DEFERRED_COMBINE_MAX_T tokens), and every consumer of a block's output there takes either form.
+with w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] held as dense tensors or MXFP8Tensor.
 The model only routes and calls the path it was built with, so a Triton path plugs in by adding an
 entry to `KERNEL_PATHS`, without touching the model. The router follows Hugging Face: logits in the
 model dtype, softmax in FP32, top-k, renormalisation when `norm_topk_prob`; the routing weights stay
@@ -32,7 +28,6 @@ from kernels import (
     warp_decode_moe,
 )
 from kernels.expert_centric_moe import table_source
-from kernels.moe_combine import PairRows
 from kernels.router_gate_topk import router_gate_topk
 from kernels.skinny_gemm import gemm_counter
 
@@ -44,30 +39,25 @@ MoEPath = Callable[..., torch.Tensor]
 # 5.81) but by less than the 30B shape gains. The single launch's one program per gate block holds all T rows. In
 # the 30B decode step, 16 -> 8 took B = 16 from 11.34 to 9.82 ms; 8 -> 2 moved B = 8 by -27 µs, within the noise.
 FUSED_ROUTER_MAX_T = 2
-# Up to this many tokens the fused path leaves the expert-centric combine to the next add + norm (PairRows): a
-# decode step saves a launch per layer. Above (prefill chunks) the block combines at once: deferred rows stay
-# allocated while the next layer's MoE allocates its own (the caller still holds them), 64 MB at 1024 tokens of
-# the 30B shape and 537 MB at 8192, for a launch that is < 1% of such a layer.
-DEFERRED_COMBINE_MAX_T = 1024
 
 
-def _torch_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
+def _torch_path(hidden, topk_weights, topk_ids, w13, w2):
     return moe_reference(hidden, topk_weights, topk_ids, w13, w2)
 
 
-def _warp_decode_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
+def _warp_decode_path(hidden, topk_weights, topk_ids, w13, w2):
     # The launcher rejects what it cannot run (FP32 activations or weights, CPU tensors outside Triton's
     # interpreter) with an error naming the argument, rather than this path quietly computing in torch.
     return warp_decode_moe(hidden, topk_weights, topk_ids, w13, w2)
 
 
-def _expert_centric_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
-    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2, combine=combine)
+def _expert_centric_path(hidden, topk_weights, topk_ids, w13, w2):
+    return expert_centric_moe(hidden, topk_weights, topk_ids, w13, w2)
 
 
-def _auto_path(hidden, topk_weights, topk_ids, w13, w2, combine=True):
+def _auto_path(hidden, topk_weights, topk_ids, w13, w2):
     # Warp decode up to the crossover T measured on this GPU (kernels/configs/), expert-centric above it.
-    return auto_moe(hidden, topk_weights, topk_ids, w13, w2, combine=combine)
+    return auto_moe(hidden, topk_weights, topk_ids, w13, w2)
 
 
 KERNEL_PATHS: dict[str, MoEPath] = {"torch": _torch_path, "warp_decode": _warp_decode_path,
@@ -120,10 +110,9 @@ class SparseMoE(nn.Module):
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("gate_counter", gemm_counter(num_experts, device), persistent=False)  # skinny_gemm's
 
-    def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor | PairRows:
+    def forward(self, x: torch.Tensor, layer: int = 0, capture=None) -> torch.Tensor:
         """x [..., H]; `capture` (composer_rollout.engine.capture.ExpertCapture, or None) records this layer's
-        expert ids when the engine asks for them. On the fused path (fused_router) the output of up to
-        DEFERRED_COMBINE_MAX_T tokens may be PairRows (the module docstring)."""
+        expert ids when the engine asks for them."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         cap = None if capture is None else capture.layer(layer)
@@ -132,9 +121,7 @@ class SparseMoE(nn.Module):
         logits = (fused_linear(flat, self.gate.weight, torch.float32, self.gate_counter) if self.fused_router
                   else F.linear(flat, self.gate.weight))
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.fused_router, cap)
-        defer = self.fused_router and flat.shape[0] <= DEFERRED_COMBINE_MAX_T
-        out = self.moe_fn(flat, weights, ids, self.w13, self.w2, combine=not defer)
-        return out.reshape(shape)
+        return self.moe_fn(flat, weights, ids, self.w13, self.w2).reshape(shape)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm, layer: int = 0, capture=None):
         """(the block's output for norm(x + residual), x + residual) on the fused path, the sum in FP32 (`norm` the
@@ -148,5 +135,5 @@ class SparseMoE(nn.Module):
         routing = router_gate_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob, self.router_counter,
                                    capture_out=None if capture is None else capture.layer(layer),
                                    add_norm=(residual.reshape(flat.shape), norm.weight, norm.eps))
-        out = self.moe_fn(routing.normed, routing.weights, routing.ids, self.w13, self.w2, combine=False)
+        out = self.moe_fn(routing.normed, routing.weights, routing.ids, self.w13, self.w2)
         return out.reshape(shape), routing.residual.view(shape)
