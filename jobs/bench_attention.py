@@ -55,7 +55,7 @@ def sweep_variants(b, c, Hkv):
     ns = default_num_splits(b, Hkv, c)
     shipped = (ns, default_num_stages(b, Hkv, ns))
     splits = sorted({ns, max(1, ns // 2), 2 * ns, 4 * ns, 1, 2, 3} & set(range(1, c // 64 + 1)))
-    return [(s, st) for s in splits for st in (2, 3, 4) if (s, st) != shipped]
+    return [(s, st) for s in splits for st in (2, 3, 4, 5) if (s, st) != shipped]
 
 
 def bench_decode(shape, batches, contexts, reps, ceiling, gen, sweep=False):

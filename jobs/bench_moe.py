@@ -284,13 +284,16 @@ def sweep_variants() -> dict:
         sweep[t] = {f"down_ctas{c}": ("pair", replace(tiles_for(t), pair_down_ctas=c)) for c in (2, 4)}
     # gate_up's whole-row tile of T >= 3 before chunk_h (BN 4 over all of H, 4 warps, 5 programs per SM: the warps
     # split H; T = 2's old tile is bn2w2ctas8 above) against the shipped rows-per-warp tiles, and two neighbours of
-    # those (docs/perf.md, "gate_up's warps own rows")
-    for t in (2, 4, 8, 16):
+    # those (docs/perf.md, "gate_up's warps own rows"); at T = 1, where the whole-row tile ships, the other way round
+    for t in (1, 2, 4, 8, 16):
         base = tiles_for(t)
         sweep.setdefault(t, {}).update({
             "rows_whole": ("pair", replace(base, pair_hc=None, pair_bn=4, pair_warps=4, pair_ctas=5)),
             "hc512bn1w1c16": ("pair", replace(base, pair_hc=512, pair_bn=1, pair_warps=1, pair_ctas=16)),
             "hc512bn2w4c8": ("pair", replace(base, pair_hc=512, pair_bn=2, pair_warps=4, pair_ctas=8))})
+    # T = 1 takes the whole-row tile: the chunked ones lost there on an H100 (docs/perf.md), not yet timed on an H200
+    sweep[1].update({f"hc512bn1w2c12s{s}": ("pair", replace(tiles_for(1), pair_hc=512, pair_bn=1, pair_warps=2,
+                                                            pair_ctas=12, pair_stages=s)) for s in (2, 3)})
     for t in (16, 64):
         sweep.setdefault(t, {}).update({"stages2": ("expert", Tiles(expert_stages=2)),
                                         "bk64": ("expert", Tiles(expert_bk=64)),

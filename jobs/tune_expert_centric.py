@@ -21,9 +21,11 @@ every candidate's time; --block-m tries the given BLOCK_M values at every T inst
 --num-stages and --tma (on/off/both) set those axes of the FP8 grid.
 
 Usage: PYTHONPATH=. python3 jobs/tune_expert_centric.py [--out DIR] [--dequant f16_rel|fp8] [--quick] [--verbose]
-       [--block-m 16,32] [--num-stages 3,4] [--tma on|off|both]
-writes DIR/expert_centric_<gpu>[_f16_rel].json (default kernels/configs/, where the launcher reads it), prints a
-table.
+       [--block-m 16,32] [--num-stages 3,4] [--tma on|off|both] [--replace]
+writes DIR/expert_centric_<gpu>[_f16_rel|_fp8].json (default kernels/configs/, where the launcher reads it), prints
+a table. A table of the same dequant mode already there keeps the buckets and shapes this run did not tune (a retune
+of the prefill buckets must not drop the decode ones), and its crossover is recomputed over the merged measurements;
+--replace writes this run's buckets alone.
 """
 
 import argparse
@@ -178,6 +180,35 @@ def short(cfg) -> str:
     return f"m{cfg.block_m} | gate_up {short(cfg.gate_up)} | down {short(cfg.down)}"
 
 
+def crossover_of(measured: dict) -> int:
+    """The largest tuned T up to which warp decode measured faster than expert-centric at every bucket (0: not even
+    at the first); a bucket where either was not measured ends the run of wins."""
+    crossover = 0
+    for T in sorted(measured, key=int):
+        warp, ec = measured[T].get("warp_decode_us"), measured[T].get("expert_centric_us")
+        if warp is None or ec is None or warp > ec:
+            break
+        crossover = int(T)
+    return crossover
+
+
+def merge_table(old: dict | None, fresh: dict, key: str) -> dict:
+    """The table to write: `fresh` (this run's, one shape `key`) over `old` (the file already at the path, or None).
+    Of the same dequant mode, old's other shapes and untuned buckets stay, a tuned bucket's config and measurements
+    replace old's, the crossover is recomputed over the merged measurements and the note records the retune."""
+    if not old or old.get("dequant", "bf16") != fresh["dequant"]:
+        return fresh
+    was, now = old.get("shapes", {}).get(key, {}), fresh["shapes"][key]
+    entry = dict(was, weights=now["weights"])
+    for part in ("configs", "measured"):
+        entry[part] = dict(sorted({**was.get(part, {}), **now[part]}.items(), key=lambda kv: int(kv[0])))
+    if "crossover_tokens" in now:
+        entry["crossover_tokens"] = crossover_of(entry["measured"])
+    tuned = ", ".join(sorted(now["configs"], key=int))
+    note = f"{old.get('note', fresh['note'])} {fresh['date']}: T = {tuned} retuned on an {fresh['device']}."
+    return dict(fresh, note=note, shapes={**old.get("shapes", {}), key: entry})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=CONFIG_DIR)
@@ -194,6 +225,8 @@ def main():
                         help="FP8 only: the num_stages values to try (default: 3 with --quick, else 2-5)")
     parser.add_argument("--tma", default="both", choices=("both", "on", "off"),
                         help="FP8 only: time each tile with TMA weight loads, without, or both")
+    parser.add_argument("--replace", action="store_true",
+                        help="write this run's buckets alone instead of merging them into the table already there")
     args = parser.parse_args()
     grid = dict(stages=tuple(args.num_stages), tma={"both": (False, True), "on": (True,), "off": (False,)}[args.tma])
     start = time.time()
@@ -220,28 +253,27 @@ def main():
               f"{row.get('warp_decode_us', '-')} µs  rel_err {err:.2e}  ({time.time() - start:.0f} s)", flush=True)
         del inputs
         torch.cuda.empty_cache()
-    crossover = 0
-    for T in sorted(measured, key=int):
-        if measured[T].get("warp_decode_us", float("inf")) > measured[T]["expert_centric_us"]:
-            break
-        crossover = int(T)
-    if crossover == 0 and min(map(int, measured)) > 1:
-        print(f"WARNING: expert-centric won the first tuned bucket, T = {min(map(int, measured))}; warp decode was not "
-              "measured below it, so crossover_tokens 0 sends every T there to expert-centric: tune from T = 1",
-              flush=True)
-    device = torch.cuda.get_device_name()
+    device, key = torch.cuda.get_device_name(), shape_key(E, H, I, k)
     props = torch.cuda.get_device_properties()
     # A GPU with no table of its own takes one whose capability and SM count match (expert_centric_moe.table_device).
     table = dict(device=device, capability=[props.major, props.minor], multiprocessors=props.multi_processor_count,
                  triton=triton.__version__, torch=torch.__version__,
                  date=datetime.date.today().isoformat(), tool="jobs/tune_expert_centric.py",
                  note="µs per layer, CUDA-graph replays over 8 layers of MXFP8 experts, uniform random routing",
-                 dequant=args.dequant, shapes={shape_key(E, H, I, k): dict(weights="mxfp8", configs=configs,
-                                                                           measured=measured)})
+                 dequant=args.dequant, shapes={key: dict(weights="mxfp8", configs=configs, measured=measured)})
     if args.dequant != "f16_rel":
-        table["shapes"][shape_key(E, H, I, k)]["crossover_tokens"] = crossover
+        table["shapes"][key]["crossover_tokens"] = crossover_of(measured)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, table_name(device_key(torch.device("cuda")), args.dequant))
+    if os.path.exists(path) and not args.replace:
+        with open(path) as f:
+            table = merge_table(json.load(f), table, key)
+    entry = table["shapes"][key]
+    crossover = entry.get("crossover_tokens", 0)
+    if args.dequant != "f16_rel" and crossover == 0 and min(map(int, entry["measured"])) > 1:
+        print(f"WARNING: expert-centric won the first tuned bucket, T = {min(map(int, entry['measured']))}; warp "
+              "decode was not measured below it, so crossover_tokens 0 sends every T there to expert-centric: tune "
+              "from T = 1", flush=True)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
     print(json.dumps(dict(tune="expert_centric", dequant=args.dequant, device=device, crossover_tokens=crossover,
